@@ -1,0 +1,48 @@
+# idem: idempotency keys with a dedup window, as a PostgreSQL extension.
+#
+#   make demo    build, install and run the demo on a throwaway cluster
+#   make test    build, install and run every test suite
+#
+# Both install missing Debian packages first (see test/deps.sh), so this
+# file must work before pg_config exists.
+
+EXTENSION = idem
+MODULE_big = idem
+OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/stats.o
+DATA = sql/idem--1.0.sql
+PGFILEDESC = "idem - idempotency keys with a dedup window"
+
+REGRESS = setup begin complete lease release_extend purge bad_input settings \
+	go_scenarios interface
+REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
+	--outputdir=test/output/regress
+
+ISOLATION = claim_concurrent lease_takeover conflict savepoint \
+	purge_reclaim two_keys wait_nowait eight_claimers isolation_levels
+ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
+	--inputdir=test/isolation --outputdir=test/output/isolation \
+	--load-extension=idem
+
+PG_CPPFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers
+ifdef IDEM_WERROR
+PG_CPPFLAGS += -Werror
+endif
+
+EXTRA_CLEAN = test/output tmp_check tmp_check_iso
+
+PG_CONFIG ?= pg_config
+PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
+ifneq ($(PGXS),)
+include $(PGXS)
+endif
+
+.PHONY: deps demo test
+
+deps:
+	sh test/deps.sh
+
+demo: deps
+	sh test/demo.sh
+
+test: deps
+	sh test/run.sh

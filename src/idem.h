@@ -1,0 +1,51 @@
+/*-------------------------------------------------------------------------
+ *
+ * idem.h
+ *	  Shared declarations of the idem extension: settings, SQLSTATEs and
+ *	  the entry points each source file offers the others.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_H
+#define IDEM_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+#include "utils/timestamp.h"
+
+/*
+ * SQLSTATEs of idem's own errors (class ID).  Bad arguments use the
+ * standard codes 22004, 22023, 22001 and 54000.
+ */
+#define ERRCODE_IDEM_FINGERPRINT_CONFLICT	MAKE_SQLSTATE('I','D','0','0','1')
+#define ERRCODE_IDEM_TOKEN_SUPERSEDED		MAKE_SQLSTATE('I','D','0','0','2')
+#define ERRCODE_IDEM_NO_CLAIM				MAKE_SQLSTATE('I','D','0','0','3')
+#define ERRCODE_IDEM_ALREADY_COMPLETED		MAKE_SQLSTATE('I','D','0','0','4')
+
+/* Length of the stored fingerprint digest (SHA-256). */
+#define IDEM_FINGERPRINT_LEN	32
+
+/* Settings (idem.c) */
+extern int	idem_default_lease;
+extern int	idem_default_retention;
+extern int	idem_max_retention;
+extern int	idem_max_key_length;
+extern int	idem_max_body_size;
+extern int	idem_clock_offset;
+extern int	idem_purge_batch_size;
+
+/* idem.c */
+extern TimestampTz idem_now(void);
+extern TimestampTz idem_add_interval(TimestampTz ts, Interval *span);
+extern TimestampTz idem_window_end(TimestampTz now, Interval *span,
+								   int default_secs, const char *argname);
+extern text *idem_arg_text(FunctionCallInfo fcinfo, int argno,
+						   const char *argname);
+extern void idem_check_key(text *key, const char *argname,
+						   bool allow_empty);
+
+/* purge.c */
+extern int64 idem_purge_batch(TimestampTz now, int limit);
+
+#endif							/* IDEM_H */

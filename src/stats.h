@@ -1,0 +1,36 @@
+/*-------------------------------------------------------------------------
+ *
+ * stats.h
+ *	  Per-database counters of idem in shared memory.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_STATS_H
+#define IDEM_STATS_H
+
+#include "postgres.h"
+
+#include "datatype/timestamp.h"
+
+typedef enum IdemStat
+{
+	IDEM_STAT_CLAIMS,
+	IDEM_STAT_TAKEOVERS,
+	IDEM_STAT_REPLAYS,
+	IDEM_STAT_IN_FLIGHT,
+	IDEM_STAT_CONFLICTS,
+	IDEM_STAT_COMPLETES,
+	IDEM_STAT_SUPERSEDED,
+	IDEM_STAT_RELEASES,
+	IDEM_STAT_PURGED_ROWS,
+	IDEM_STAT_PURGE_RUNS,
+	IDEM_STAT_NUM
+} IdemStat;
+
+extern void idem_stats_shmem_init(void);
+extern void idem_stats_add(IdemStat stat, uint64 n);
+extern void idem_stats_purge_done(Oid dboid, const char *error);
+
+#define idem_stats_count(stat)	idem_stats_add((stat), 1)
+
+#endif							/* IDEM_STATS_H */
