@@ -1,0 +1,35 @@
+#!/bin/sh
+# Build with warnings as errors, install, and run every test suite:
+# pg_regress, isolation and TAP.  Ends with "N passed, N failed".
+set -u
+top=$(cd "$(dirname "$0")/.." && pwd)
+cd "$top"
+
+pg_config=$(command -v pg_config)
+make -s clean >/dev/null
+make -s IDEM_WERROR=1 || exit 1
+
+log=$(mktemp /tmp/idem-test-log.XXXXXX)
+if [ "$(id -u)" -eq 0 ]; then
+	make -s install >/dev/null || exit 1
+	sh test/user.sh
+	# The suites start their own servers, which must not run as root: run
+	# them as idemtest in a copy of the tree it owns.
+	work=$(mktemp -d /tmp/idem-test.XXXXXX)
+	cp -a "$top"/. "$work"/
+	chown -R idemtest "$work"
+	{ su idemtest -s /bin/sh -c "cd '$work' && make -s PG_CONFIG='$pg_config' installcheck" 2>&1
+	  echo "exit status $?"; } | tee "$log"
+	[ -d "$work/test/output" ] && rm -rf "$top/test/output" && cp -a "$work/test/output" "$top/test/output"
+	rm -rf "$work"
+else
+	sudo make -s install >/dev/null || exit 1
+	{ make -s installcheck 2>&1; echo "exit status $?"; } | tee "$log"
+fi
+# Count test cases (pg_regress and isolation lines, TAP files).
+passed=$(grep -Ec '^(ok|test|     ) .*\.\.\. ok|^ok [0-9]+ |^t/.* ok$' "$log")
+failed=$(grep -Ec 'FAILED|^not ok |Dubious|^Result: FAIL' "$log")
+grep -q "^exit status 0$" "$log" || [ "$failed" -gt 0 ] || failed=1
+rm -f "$log"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
