@@ -21,6 +21,9 @@ ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 	--inputdir=test/isolation --outputdir=test/output/isolation \
 	--load-extension=idem
 
+TAP_TESTS = 1
+PROVE_TESTS = test/t/*.pl
+
 PG_CPPFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers
 ifdef IDEM_WERROR
 PG_CPPFLAGS += -Werror
