@@ -16,7 +16,8 @@ REGRESS = setup
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
 	--outputdir=test/output/regress
 
-ISOLATION =
+ISOLATION = claim_concurrent lease_takeover conflict savepoint purge_reclaim \
+	two_keys eight_claimers isolation_levels
 ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 	--inputdir=test/isolation --outputdir=test/output/isolation \
 	--load-extension=idem

@@ -602,9 +602,9 @@ refuse_write(KeyRow *row, text *key, bytea *fingerprint, bool has_token,
 	if (row->token != token)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
-				 errmsg("token %lld of idempotency key \"%s\" is not the current one",
-						(long long) token, keystr),
-				 errdetail("The lease ran out and another caller took the key over.")));
+				 errmsg("idempotency key \"%s\" is held by a newer claim", keystr),
+				 errdetail("Token %lld was superseded after its lease ran out.",
+						   (long long) token)));
 	if (row->done)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
