@@ -8,11 +8,12 @@
 
 EXTENSION = idem
 MODULE_big = idem
-OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/stats.o
+OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/stats.o src/worker.o
 DATA = sql/idem--1.0.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
-REGRESS = setup
+REGRESS = setup begin complete lease release_extend savepoint purge bad_input \
+	settings go_scenarios interface
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
 	--outputdir=test/output/regress
 
@@ -36,7 +37,19 @@ PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 ifneq ($(PGXS),)
 include $(PGXS)
+# The client guard library (guard/) and the programs built on it.
+all: guard-all
+install: install-guard
+clean: clean-guard
 endif
+
+.PHONY: guard-all install-guard clean-guard
+guard-all:
+	$(MAKE) -C guard PG_CONFIG='$(PG_CONFIG)' all
+install-guard: guard-all
+	$(MAKE) -C guard PG_CONFIG='$(PG_CONFIG)' install
+clean-guard:
+	$(MAKE) -C guard PG_CONFIG='$(PG_CONFIG)' clean
 
 .PHONY: deps demo test
 
@@ -57,3 +70,8 @@ endif
 .PHONY: output-dirs
 output-dirs:
 	@mkdir -p test/output/regress test/output/isolation
+
+.PHONY: bench
+bench: deps
+	$(MAKE) -s all install
+	bash test/bench/bench.sh

@@ -1,0 +1,252 @@
+#!/bin/bash
+# Benchmark idem against plain SQL and a PL/pgSQL version of the same
+# contract, in one run on one throwaway cluster, and print one table of
+# ratios (medians of BENCH_RUNS runs).
+#
+#   make bench                       full run (BENCH_SECONDS=30 BENCH_RUNS=3)
+#   BENCH_SMOKE=1 make bench         tiny sizes, checks that every workload runs
+#
+# Exits non-zero if any workload fails or a contention check finds two
+# holders of one key.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(cd "$here/../.." && pwd)
+dir=${BENCH_DIR:-/tmp/idem-bench}
+port=${BENCH_PORT:-54329}
+secs=${BENCH_SECONDS:-30}
+runs=${BENCH_RUNS:-3}
+bulk=${BENCH_BULK:-200000}
+purge_rows=${BENCH_PURGE_ROWS:-1000000}
+size_rows=${BENCH_SIZE_ROWS:-100000}
+clients=8
+if [ -n "${BENCH_SMOKE:-}" ]; then
+	secs=1 runs=1 bulk=2000 purge_rows=20000 size_rows=2000
+fi
+
+bindir=$(pg_config --bindir)
+psql=("$bindir/psql" -X -q -A -t -v ON_ERROR_STOP=1 -h "$dir" -p "$port" -U postgres -d bench)
+pgbench=("$bindir/pgbench" -h "$dir" -p "$port" -U postgres -n)
+work=$(mktemp -d /tmp/idem-bench-work.XXXXXX)
+chmod 777 "$work"
+
+cleanup() {
+	sh "$top/test/cluster.sh" stop "$dir"
+	rm -rf "$work"
+}
+trap cleanup EXIT
+
+sh "$top/test/cluster.sh" start "$dir" "$port" \
+	"shared_buffers = 512MB" "fsync = on" "max_connections = 100" \
+	"idem.purge_enabled = off" "log_min_messages = warning"
+"$bindir/createdb" -h "$dir" -p "$port" -U postgres bench
+"${psql[@]}" -c "CREATE EXTENSION idem"
+"${psql[@]}" -f "$here/peers.sql"
+
+sql() { "${psql[@]}" -c "$1"; }
+# Each argument in its own transaction.
+sqls() {
+	local args=()
+	for q in "$@"; do args+=(-c "$q"); done
+	"${psql[@]}" "${args[@]}"
+}
+now_ms() { date +%s%3N; }
+median() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (b > 0) ? a / b : 0}'; }
+inv_ratio() { awk -v a="$1" -v b="$2" 'BEGIN {printf "%.2f", (a > 0) ? b / a : 0}'; }
+
+reset_keys() {
+	sqls "TRUNCATE idem.keys, plain_keys, holders, claims_log" "VACUUM ANALYZE idem.keys, plain_keys" "CHECKPOINT"
+}
+
+# Wall time in ms of one SQL text.
+timed() {
+	local t0 t1
+	t0=$(now_ms)
+	"${psql[@]}" -c "$1" >/dev/null
+	t1=$(now_ms)
+	echo $((t1 - t0))
+}
+
+# tps of a pgbench script.
+tps() {
+	local script=$1 nclients=$2 out
+	out=$("${pgbench[@]}" -M prepared -c "$nclients" -j 2 -T "$secs" -f "$here/pgbench/$script" bench 2>&1) || {
+		echo "$out" >&2
+		return 1
+	}
+	echo "$out" | sed -n 's/^tps = \([0-9.]*\) (without initial connection time)/\1/p'
+}
+
+rows=()
+row() { rows+=("$(printf '%-34s %14s %14s %14s %8s %8s' "$@")"); }
+
+# 1. Bulk CPU cost.
+bulk_idem="SELECT count(*) FROM generate_series(1, $bulk) g,
+	LATERAL idem_begin('b' || g, 'fp') b,
+	LATERAL idem_complete('b' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c"
+bulk_plpg="SELECT count(*) FROM generate_series(1, $bulk) g,
+	LATERAL plpg_begin('b' || g, 'fp') b,
+	LATERAL plpg_complete('b' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c"
+bulk_sql="BEGIN;
+	INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at)
+	SELECT '', 'b' || g, sha256('fp'::bytea), nextval('plain_token_seq'),
+		clock_timestamp() + '60s', clock_timestamp() + '1 day'
+	FROM generate_series(1, $bulk) g ON CONFLICT DO NOTHING;
+	UPDATE plain_keys p SET status = 200, body = '\\x6f6b', lease_until = NULL,
+		expires_at = clock_timestamp() + '1 day'
+	FROM generate_series(1, $bulk) g WHERE p.scope = '' AND p.key = 'b' || g AND p.status IS NULL;
+	COMMIT;"
+ti=() tp=() ts=()
+for _ in $(seq "$runs"); do
+	reset_keys; ti+=("$(timed "$bulk_idem")")
+	reset_keys; tp+=("$(timed "$bulk_plpg")")
+	reset_keys; ts+=("$(timed "$bulk_sql")")
+done
+[ "$(sql "SELECT count(*) FROM plain_keys WHERE status = 200")" -eq "$bulk" ]
+bi=$(printf '%s\n' "${ti[@]}" | median)
+bp=$(printf '%s\n' "${tp[@]}" | median)
+bs=$(printf '%s\n' "${ts[@]}" | median)
+row "1 bulk $bulk keys (ms, lower=better)" "idem $bi" "sql $bs" "plpgsql $bp" "$(ratio "$bi" "$bs")" "$(ratio "$bi" "$bp")"
+
+# 2. pgbench multi-step and one transaction; 3. replay.
+pgb() {
+	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5
+	local a=() b=() c=()
+	for _ in $(seq "$runs"); do
+		[ "$name" = replay ] || reset_keys
+		a+=("$(tps "$idem" "$nclients")")
+		b+=("$(tps "$plain" "$nclients")")
+		[ -n "$plpg" ] && c+=("$(tps "$plpg" "$nclients")")
+	done
+	local ai bi ci
+	ai=$(printf '%s\n' "${a[@]}" | median)
+	bi=$(printf '%s\n' "${b[@]}" | median)
+	if [ -n "$plpg" ]; then
+		ci=$(printf '%s\n' "${c[@]}" | median)
+		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "plpgsql $ci" "$(ratio "$ai" "$bi")" "$(ratio "$ai" "$ci")"
+	else
+		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "-" "$(ratio "$ai" "$bi")" "-"
+	fi
+}
+pgb "2 multi-step, $clients clients" idem_multi.sql plain_multi.sql plpg_multi.sql $clients
+pgb "2 one transaction, $clients clients" idem_onetx.sql plain_onetx.sql plpg_onetx.sql $clients
+reset_keys
+sql "SELECT count(*) FROM generate_series(1, 1000) g, LATERAL idem_begin('hot' || g, 'fp') b,
+	LATERAL idem_complete('hot' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c" >/dev/null
+sql "INSERT INTO plain_keys SELECT * FROM idem.keys" >/dev/null
+pgb "3 replay" idem_replay.sql plain_replay.sql "" $clients
+
+# 4. Contention: 32 clients, 16 keys; one holder per key at any time.
+sql "TRUNCATE idem.keys, holders, claims_log"
+ct=$(tps idem_contention.sql 32)
+dup=$(sql "SELECT count(*) - count(DISTINCT token) FROM claims_log")
+held=$(sql "SELECT count(*) FROM claims_log")
+left=$(sql "SELECT count(*) FROM holders")
+[ "$dup" -eq 0 ] && [ "$left" -eq 0 ] && [ "$held" -gt 0 ] || {
+	echo "contention check failed: claims=$held duplicate tokens=$dup holders left=$left" >&2
+	exit 1
+}
+row "4 contention 32 clients/16 keys" "tps $ct" "claims $held" "2nd holder 0" "-" "-"
+
+# 5. Purge of expired keys: idem_purge batches vs one DELETE, and claim
+# latency on other keys during the purge.
+fill_expired() {
+	sql "INSERT INTO $1 (scope, key, fingerprint, token, status, body, expires_at)
+		SELECT '', 'p' || g, sha256('fp'::bytea), g, 200, '\\x6f6b', now() - interval '1 hour'
+		FROM generate_series(1, $purge_rows) g" >/dev/null
+	sqls "VACUUM ANALYZE $1" "CHECKPOINT"
+}
+purge_all="DO \$\$ BEGIN LOOP EXIT WHEN idem_purge(10000) = 0; COMMIT; END LOOP; END \$\$"
+pi=() ps=()
+for _ in $(seq "$runs"); do
+	reset_keys
+	fill_expired idem.keys; pi+=("$(timed "$purge_all")")
+	[ "$(sql "SELECT count(*) FROM idem.keys")" -eq 0 ]
+	fill_expired plain_keys; ps+=("$(timed "DELETE FROM plain_keys WHERE expires_at <= now()")")
+done
+pmi=$(printf '%s\n' "${pi[@]}" | median)
+pms=$(printf '%s\n' "${ps[@]}" | median)
+row "5 purge $purge_rows keys (ms)" "idem $pmi" "DELETE $pms" "-" "$(ratio "$pmi" "$pms")" "-"
+
+# p99 claim latency (4 clients, multi-step) without and during a purge.
+p99() {
+	local logdir=$1 lat
+	(cd "$logdir" && cat pgbench_log.* ) | awk '{print $3}' | sort -n >"$logdir/lat"
+	lat=$(awk '{a[NR] = $1} END {i = int(NR * 0.99); if (i < 1) i = 1; print a[i]}' "$logdir/lat")
+	echo "$lat"
+}
+lat_run() {
+	local logdir=$1
+	mkdir -p "$logdir"
+	chmod 777 "$logdir"
+	(cd "$logdir" && "${pgbench[@]}" -M prepared -c 4 -j 2 -T "$secs" -l -f "$here/pgbench/idem_multi.sql" bench >/dev/null 2>&1)
+}
+reset_keys
+lat_run "$work/base"
+base_p99=$(p99 "$work/base")
+sql "TRUNCATE idem.keys"
+fill_expired idem.keys
+lat_run "$work/purge" &
+lat_pid=$!
+sleep 0.2
+timed "DO \$\$ BEGIN FOR i IN 1..$((purge_rows / 10000 + 1)) LOOP EXIT WHEN idem_purge(10000) = 0; COMMIT; PERFORM pg_sleep(0.01); END LOOP; END \$\$" >/dev/null
+wait $lat_pid
+purge_p99=$(p99 "$work/purge")
+row "5 claim p99 during purge (us)" "purge $purge_p99" "none $base_p99" "-" "$(ratio "$purge_p99" "$base_p99")" "-"
+
+# 6. Size per key (table + indexes + TOAST) and bloat after churn.
+size_of() { sql "SELECT pg_total_relation_size('$1')"; }
+per_key() { awk -v s="$1" -v n="$2" 'BEGIN {printf "%.0f", s / n}'; }
+for body in 16 4096; do
+	reset_keys
+	if [ "$body" -eq 16 ]; then
+		bodyexpr="'\\x000102030405060708090a0b0c0d0e0f'::bytea"
+	else
+		bodyexpr="(SELECT decode(string_agg(md5(random()::text || x), ''), 'hex') FROM generate_series(1, 256) x)"
+	fi
+	n=$size_rows
+	[ "$body" -eq 4096 ] && n=$((size_rows / 5))
+	sql "WITH src AS MATERIALIZED (SELECT g, $bodyexpr AS body FROM generate_series(1, $n) g)
+		SELECT count(*) FROM src, LATERAL idem_begin('s' || g, 'fp') b,
+		LATERAL idem_complete('s' || g, 'fp', 200, src.body, b.token) c" >/dev/null
+	# The plain table goes through the same life: insert the claim, then
+	# update it with the response.
+	sqls "INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at)
+		SELECT scope, key, fingerprint, token, now(), expires_at FROM idem.keys" \
+		"UPDATE plain_keys p SET status = k.status, body = k.body, lease_until = NULL
+		FROM idem.keys k WHERE p.scope = k.scope AND p.key = k.key" \
+		"VACUUM ANALYZE idem.keys, plain_keys" >/dev/null
+	si=$(per_key "$(size_of idem.keys)" "$n")
+	sp=$(per_key "$(size_of plain_keys)" "$n")
+	row "6 bytes/key, ${body}B body" "idem $si" "sql $sp" "-" "$(ratio "$si" "$sp")" "-"
+done
+
+# Steady churn with a one-hour retention: every quarter of an hour, claim
+# and complete n/4 keys, purge what expired and VACUUM (autovacuum's part).
+# Compare the size after the first hour with the size after five more.
+reset_keys
+n=$size_rows
+churn_hour() {
+	local h=$1 q off
+	for q in 0 1 2 3; do
+		off=$((h * 60 + q * 15))
+		sqls "SET idem.clock_offset = '${off}min'" \
+			"SELECT count(*) FROM generate_series(1, $((n / 4))) g,
+			LATERAL idem_begin('w$off-' || g, 'fp', retention => '1h') b,
+			LATERAL idem_complete('w$off-' || g, 'fp', 200, '\\x6f6b'::bytea, b.token, '1h') c" \
+			"SELECT idem_purge()" >/dev/null
+		sql "VACUUM idem.keys"
+	done
+}
+churn_hour 0
+s1=$(size_of idem.keys)
+for h in 1 2 3 4 5; do churn_hour $h; done
+s5=$(size_of idem.keys)
+row "6 size after 6 windows / after 1" "1st $s1" "6th $s5" "-" "$(ratio "$s5" "$s1")" "-"
+
+echo
+printf '%-34s %14s %14s %14s %8s %8s\n' "workload" "idem" "peer" "peer 2" "idem/sql" "idem/plpg"
+printf '%s\n' "${rows[@]}"
+echo
+echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $(pg_config --version | awk '{print $2}'), runs=$runs, pgbench ${secs}s"

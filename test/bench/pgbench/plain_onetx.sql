@@ -1,0 +1,9 @@
+-- Plain SQL, one transaction.
+\set k random(1, 2000000000)
+\set aid random(1, 100000)
+BEGIN;
+INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at) VALUES ('', :client_id::text || '-' || :k::text, sha256('fp'::bytea), nextval('plain_token_seq'), clock_timestamp() + '60s', clock_timestamp() + '1 day') ON CONFLICT DO NOTHING;
+SELECT token, status FROM plain_keys WHERE scope = '' AND key = :client_id::text || '-' || :k::text FOR UPDATE;
+UPDATE accounts SET balance = balance + 1 WHERE id = :aid;
+UPDATE plain_keys SET status = 200, body = '\x6f6b', lease_until = NULL, expires_at = clock_timestamp() + '1 day' WHERE scope = '' AND key = :client_id::text || '-' || :k::text AND status IS NULL;
+COMMIT;
