@@ -18,8 +18,8 @@ CREATE SEQUENCE idem.token_seq AS bigint;
  * caller's text.  A row is DONE when status is set, PROCESSING otherwise.
  */
 CREATE TABLE idem.keys (
-	scope		text NOT NULL,
-	key			text NOT NULL,
+	scope		text COLLATE "C" NOT NULL,
+	key			text COLLATE "C" NOT NULL,
 	fingerprint	bytea NOT NULL,
 	token		bigint NOT NULL,
 	status		integer,

@@ -49,12 +49,16 @@ PG_FUNCTION_INFO_V1(idem_extend);
 	" FROM idem.keys" \
 	" WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2"
 
+/* Columns of idem.keys, as created by sql/idem--1.0.sql. */
+#define Anum_keys_fingerprint	3
+#define Anum_keys_token			4
+#define Anum_keys_status		5
+#define Anum_keys_body			6
+#define Anum_keys_lease_until	7
+#define Anum_keys_expires_at	8
+
 #define NEXT_TOKEN \
 	"pg_catalog.nextval('idem.token_seq'::pg_catalog.regclass)"
-
-static IdemPlanDef plan_read = {
-	KEY_COLUMNS, 2, {TEXTOID, TEXTOID}
-};
 
 static IdemPlanDef plan_lock = {
 	KEY_COLUMNS " FOR UPDATE", 2, {TEXTOID, TEXTOID}
@@ -180,14 +184,45 @@ fingerprint_digest(text *fingerprint)
 	return digest;
 }
 
-/* Read the first row SPI returned into *row (row->found false if none). */
+/*
+ * Fill *row from the columns fingerprint .. expires_at.  A body is copied
+ * into body_cxt when given, else left pointing at the source.
+ */
+static void
+set_row(KeyRow *row, Datum *values, bool *nulls, MemoryContext body_cxt)
+{
+	bytea	   *fp = DatumGetByteaPP(values[0]);
+
+	row->found = true;
+	if (VARSIZE_ANY_EXHDR(fp) == IDEM_FINGERPRINT_LEN)
+		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
+	row->token = DatumGetInt64(values[1]);
+	row->done = !nulls[2];
+	row->status = nulls[2] ? 0 : DatumGetInt32(values[2]);
+	if (nulls[3])
+		row->body = NULL;
+	else if (body_cxt != NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(body_cxt);
+
+		row->body = DatumGetByteaPCopy(values[3]);
+		MemoryContextSwitchTo(old);
+	}
+	else
+		row->body = DatumGetByteaPP(values[3]);
+	row->has_lease = !nulls[4];
+	row->lease_until = nulls[4] ? 0 : DatumGetTimestampTz(values[4]);
+	row->expires_at = DatumGetTimestampTz(values[5]);
+}
+
+/* Read the first row a KEY_COLUMNS statement returned into *row. */
 static void
 fetch_row(uint64 nrows, KeyRow *row, MemoryContext body_cxt)
 {
 	HeapTuple	tuple;
 	TupleDesc	desc;
-	bool		isnull;
-	Datum		d;
+	Datum		values[8];
+	bool		nulls[8];
 
 	memset(row, 0, sizeof(KeyRow));
 	if (nrows == 0)
@@ -195,39 +230,13 @@ fetch_row(uint64 nrows, KeyRow *row, MemoryContext body_cxt)
 
 	tuple = SPI_tuptable->vals[0];
 	desc = SPI_tuptable->tupdesc;
-	row->found = true;
-
-	d = SPI_getbinval(tuple, desc, 1, &isnull);
-	if (!isnull)
-	{
-		bytea	   *fp = DatumGetByteaPP(d);
-
-		if (VARSIZE_ANY_EXHDR(fp) == IDEM_FINGERPRINT_LEN)
-			memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
-	}
-	row->token = DatumGetInt64(SPI_getbinval(tuple, desc, 2, &isnull));
-	d = SPI_getbinval(tuple, desc, 3, &isnull);
-	row->done = !isnull;
-	row->status = isnull ? 0 : DatumGetInt32(d);
-	d = SPI_getbinval(tuple, desc, 4, &isnull);
-	if (!isnull && body_cxt != NULL)
-	{
-		MemoryContext old = MemoryContextSwitchTo(body_cxt);
-
-		row->body = DatumGetByteaPCopy(d);
-		MemoryContextSwitchTo(old);
-	}
-	else if (!isnull)
-		row->body = DatumGetByteaPP(d);
-	d = SPI_getbinval(tuple, desc, 5, &isnull);
-	row->has_lease = !isnull;
-	row->lease_until = isnull ? 0 : DatumGetTimestampTz(d);
-	row->expires_at = DatumGetTimestampTz(SPI_getbinval(tuple, desc, 6, &isnull));
-	row->xmin = DatumGetTransactionId(SPI_getbinval(tuple, desc, 7, &isnull));
-	row->ctid = *(ItemPointer) DatumGetPointer(SPI_getbinval(tuple, desc, 8, &isnull));
+	heap_deform_tuple(tuple, desc, values, nulls);
+	set_row(row, values, nulls, body_cxt);
+	row->xmin = DatumGetTransactionId(values[6]);
+	row->ctid = *(ItemPointer) DatumGetPointer(values[7]);
 }
 
-/* Read the key's row, unlocked or locked, into *row. */
+/* Read the key's row locked (FOR UPDATE, waiting or skipping) into *row. */
 static void
 read_key(IdemPlanDef *def, text *scope, text *key, KeyRow *row,
 		 MemoryContext body_cxt)
@@ -237,6 +246,78 @@ read_key(IdemPlanDef *def, text *scope, text *key, KeyRow *row,
 	values[0] = PointerGetDatum(scope);
 	values[1] = PointerGetDatum(key);
 	fetch_row(idem_spi_run(def, values, NULL), row, body_cxt);
+}
+
+/* An index scan of idem.keys' primary key for one (scope, key). */
+typedef struct KeyScan
+{
+	Relation	rel;
+	Relation	idx;
+	IndexScanDesc scan;
+	TupleTableSlot *slot;
+} KeyScan;
+
+static void
+key_scan_begin(KeyScan *ks, text *scope, text *key, Snapshot snapshot)
+{
+	ScanKeyData skey[2];
+
+	ks->rel = table_open(idem_keys_relid(), AccessShareLock);
+	ks->idx = index_open(RelationGetPrimaryKeyIndex(ks->rel), AccessShareLock);
+	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
+						   ks->idx->rd_indcollation[0], F_TEXTEQ,
+						   PointerGetDatum(scope));
+	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
+						   ks->idx->rd_indcollation[1], F_TEXTEQ,
+						   PointerGetDatum(key));
+#if PG_VERSION_NUM >= 180000
+	ks->scan = index_beginscan(ks->rel, ks->idx, snapshot, NULL, 2, 0);
+#else
+	ks->scan = index_beginscan(ks->rel, ks->idx, snapshot, 2, 0);
+#endif
+	index_rescan(ks->scan, skey, 2, NULL, 0);
+	ks->slot = table_slot_create(ks->rel, NULL);
+}
+
+static void
+key_scan_end(KeyScan *ks)
+{
+	index_endscan(ks->scan);
+	ExecDropSingleTupleTableSlot(ks->slot);
+	index_close(ks->idx, AccessShareLock);
+	table_close(ks->rel, AccessShareLock);
+}
+
+/*
+ * Read the key's row as a plain SELECT would, without locking it: straight
+ * from the primary key with the statement's snapshot (a new one per call
+ * in READ COMMITTED, the transaction's in REPEATABLE READ and SERIALIZABLE,
+ * with SSI predicate locks as usual).  The body is copied into body_cxt.
+ */
+static void
+read_key_unlocked(text *scope, text *key, KeyRow *row, MemoryContext body_cxt)
+{
+	KeyScan		ks;
+
+	memset(row, 0, sizeof(KeyRow));
+
+	/* See this transaction's own earlier writes, as SPI would. */
+	CommandCounterIncrement();
+	key_scan_begin(&ks, scope, key, GetTransactionSnapshot());
+	if (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
+	{
+		bool		should_free;
+		HeapTuple	tuple = ExecFetchSlotHeapTuple(ks.slot, false, &should_free);
+
+		slot_getallattrs(ks.slot);
+		set_row(row, &ks.slot->tts_values[Anum_keys_fingerprint - 1],
+				&ks.slot->tts_isnull[Anum_keys_fingerprint - 1], body_cxt);
+		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+		row->ctid = tuple->t_self;
+		if (should_free)
+			heap_freetuple(tuple);
+	}
+	key_scan_end(&ks);
 }
 
 static bool
@@ -254,29 +335,13 @@ same_fingerprint(KeyRow *row, bytea *fingerprint)
 static bool
 key_write_in_progress(text *scope, text *key)
 {
-	Relation	rel = table_open(idem_keys_relid(), AccessShareLock);
-	Relation	idx = index_open(RelationGetPrimaryKeyIndex(rel), AccessShareLock);
 	SnapshotData snap;
-	ScanKeyData skey[2];
-	IndexScanDesc scan;
-	TupleTableSlot *slot;
+	KeyScan		ks;
 	bool		busy = false;
 
 	InitDirtySnapshot(snap);
-	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   idx->rd_indcollation[0], F_TEXTEQ,
-						   PointerGetDatum(scope));
-	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
-						   idx->rd_indcollation[1], F_TEXTEQ,
-						   PointerGetDatum(key));
-#if PG_VERSION_NUM >= 180000
-	scan = index_beginscan(rel, idx, &snap, NULL, 2, 0);
-#else
-	scan = index_beginscan(rel, idx, &snap, 2, 0);
-#endif
-	index_rescan(scan, skey, 2, NULL, 0);
-	slot = table_slot_create(rel, NULL);
-	while (index_getnext_slot(scan, ForwardScanDirection, slot))
+	key_scan_begin(&ks, scope, key, &snap);
+	while (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
 	{
 		if (TransactionIdIsValid(snap.xmin) || TransactionIdIsValid(snap.xmax))
 		{
@@ -284,10 +349,7 @@ key_write_in_progress(text *scope, text *key)
 			break;
 		}
 	}
-	index_endscan(scan);
-	ExecDropSingleTupleTableSlot(slot);
-	index_close(idx, AccessShareLock);
-	table_close(rel, AccessShareLock);
+	key_scan_end(&ks);
 	return busy;
 }
 
@@ -412,7 +474,7 @@ claim_key(ClaimArgs *args, ClaimResult *res)
 
 	for (round = 0; round < IDEM_MAX_CLAIM_ROUNDS; round++)
 	{
-		read_key(&plan_read, args->scope, args->key, &row, args->result_cxt);
+		read_key_unlocked(args->scope, args->key, &row, args->result_cxt);
 		if (row.found)
 		{
 			if (decide(args, &row, false, res))
