@@ -1,0 +1,153 @@
+/*-------------------------------------------------------------------------
+ *
+ * idem_guard.h
+ *	  Client-side guard over libpq for work done outside the database:
+ *	  claim an idempotency key with idem_begin, run a handler, store its
+ *	  response with idem_complete.
+ *
+ * Each call is its own transaction on the caller's connection, and every
+ * write after the claim carries the claim's fencing token, so the guard
+ * keeps no session state on the server and works through transaction
+ * pooling.  A connection is used by one thread at a time; separate
+ * connections may run guards in parallel threads.
+ *
+ * Link with -lidem_guard -lpq -lpthread.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_GUARD_H
+#define IDEM_GUARD_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <libpq-fe.h>
+
+#ifdef __cplusplus
+extern "C"
+{
+#endif
+
+/* What happened to a request, as in the Go Guard.Do. */
+typedef enum IdemOutcome
+{
+	IDEM_EXECUTED,				/* the handler ran under a claim */
+	IDEM_REPLAYED,				/* the stored response was returned */
+	IDEM_IN_FLIGHT,				/* another caller holds a live claim */
+	IDEM_CONFLICT,				/* the key was used with another fingerprint */
+	IDEM_UNAVAILABLE			/* no claim could be made; handler not run */
+} IdemOutcome;
+
+/* The step that failed, if any. */
+typedef enum IdemStep
+{
+	IDEM_STEP_NONE,
+	IDEM_STEP_BEGIN,			/* claim failed: outcome UNAVAILABLE */
+	IDEM_STEP_HEARTBEAT,		/* heartbeat connection failed: UNAVAILABLE */
+	IDEM_STEP_HANDLER,			/* handler returned an error */
+	IDEM_STEP_COMPLETE			/* response not stored: key stays PROCESSING */
+} IdemStep;
+
+/* A response: status and body (malloc'd, may be NULL). */
+typedef struct IdemResponse
+{
+	int			status;
+	unsigned char *body;
+	size_t		body_len;
+} IdemResponse;
+
+struct IdemHeartbeat;
+
+/* The claim a handler runs under. */
+typedef struct IdemClaim
+{
+	const char *key;
+	const char *scope;
+	int64_t		token;			/* fencing token: pass it downstream */
+	struct IdemHeartbeat *heartbeat;	/* private */
+} IdemClaim;
+
+/*
+ * The work to protect.  Fill resp (idem_response_set) and return 0, or
+ * return non-zero on failure (resp is still returned to the caller).
+ */
+typedef int (*IdemHandler) (const IdemClaim *claim, void *arg,
+							IdemResponse *resp);
+
+/*
+ * Fault hook for tests, like the Go MemoryStore.Fault: called before each
+ * server call with op "begin", "complete", "release" or "extend"; a
+ * non-zero return makes that call fail as if the server did not answer.
+ */
+typedef int (*IdemFaultHook) (void *fault_arg, const char *op);
+
+/* Options; set with idem_guard_options_init, then change fields. */
+typedef struct IdemGuardOptions
+{
+	int			lease_ms;		/* 0: server's idem.default_lease */
+	int			retention_ms;	/* 0: server's idem.default_retention */
+	const char *scope;			/* NULL or "": the default scope */
+	bool		wait;			/* wait for an uncommitted claim (default) */
+	bool		keep_claim_on_error;	/* handler error: leave the key to
+										 * the lease (Go) instead of
+										 * idem_release */
+	int			timeout_ms;		/* per statement; 0: none */
+	const char *heartbeat_conninfo;	/* non-NULL: extend the lease every
+									 * third of it on this connection */
+	int			clock_offset_s; /* tests: SET LOCAL idem.clock_offset
+								 * (superuser) on every call, like the Go
+								 * Guard.Now hook */
+	IdemFaultHook fault;
+	void	   *fault_arg;
+} IdemGuardOptions;
+
+/* What idem_guard_do tells the caller. */
+typedef struct IdemResult
+{
+	IdemOutcome outcome;
+	IdemResponse resp;			/* executed or replayed response */
+	int64_t		token;			/* token of the claim, 0 if none */
+	IdemStep	failed;			/* IDEM_STEP_NONE if all went well */
+	char		sqlstate[6];	/* of the failure; "" for connection loss,
+								 * timeout or injected fault */
+	char		message[256];	/* of the failure */
+	bool		released;		/* handler error: claim given up */
+	bool		superseded;		/* heartbeat found the token superseded */
+	int			extends;		/* successful heartbeats */
+} IdemResult;
+
+/* A fault hook argument that fails op (NULL: any op) the next n times. */
+typedef struct IdemFaultCounter
+{
+	const char *op;
+	int			remaining;
+} IdemFaultCounter;
+
+extern void idem_guard_options_init(IdemGuardOptions *opts);
+
+extern IdemOutcome idem_guard_do(PGconn *conn, const char *key,
+								 const char *fingerprint,
+								 IdemHandler handler, void *arg,
+								 IdemResult *res);
+
+extern IdemOutcome idem_guard_do_opts(PGconn *conn,
+									  const IdemGuardOptions *opts,
+									  const char *key,
+									  const char *fingerprint,
+									  IdemHandler handler, void *arg,
+									  IdemResult *res);
+
+extern int	idem_response_set(IdemResponse *resp, int status,
+							  const void *body, size_t body_len);
+extern void idem_result_clear(IdemResult *res);
+extern bool idem_claim_lost(const IdemClaim *claim);
+extern const char *idem_outcome_name(IdemOutcome outcome);
+extern const char *idem_step_name(IdemStep step);
+extern int	idem_fault_fail_n(void *fault_arg, const char *op);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif							/* IDEM_GUARD_H */

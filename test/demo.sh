@@ -1,0 +1,28 @@
+#!/bin/sh
+# The README's first command (make demo): build and install idem and its
+# client guard, start a throwaway cluster, and replay the Go guard
+# document's scenarios against it with the guard (test/demo/idem_demo.c).
+# Prints one line per scenario; exits non-zero if any figure differs.
+set -eu
+top=$(cd "$(dirname "$0")/.." && pwd)
+cd "$top"
+
+sudo=""
+[ "$(id -u)" -eq 0 ] || sudo="sudo"
+make -s
+$sudo make -s install >/dev/null
+
+dir=/tmp/idem-demo.$$
+port=54329
+bindir=$(pg_config --bindir)
+trap 'sh "$top/test/cluster.sh" stop "$dir"; rm -rf "$dir"' EXIT INT TERM
+echo "starting a throwaway cluster in $dir"
+sh test/cluster.sh start "$dir" "$port"
+
+# The demo moves the server clock with idem.clock_offset, a superuser
+# setting: it connects as the cluster's superuser.
+conninfo="host=$dir port=$port user=postgres dbname=postgres"
+"$bindir/psql" -X -q -d "$conninfo" -c 'CREATE EXTENSION idem'
+# No server listens on the next port: the store is down.
+down="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
+test/demo/idem_demo "$conninfo" "$down"

@@ -1,0 +1,803 @@
+/*-------------------------------------------------------------------------
+ *
+ * guard_test.c
+ *	  Unit tests of the client guard against a live server.
+ *
+ *	  guard_test CONNINFO DOWN_CONNINFO
+ *
+ * CONNINFO reaches a server with the idem extension as a superuser;
+ * DOWN_CONNINFO reaches no server.  Each case prints one line "name:
+ * field=value ..." with what happened; test/t/050_guard.pl compares the
+ * lines with what they must be.  Exits 2 on bad usage or set-up failure.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include <pthread.h>
+#include <stdbool.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "idem_guard.h"
+
+#define SCOPE		"gt"
+#define POLL_LIMIT	2000		/* polls of 10 ms: bound on any wait */
+
+static const char *conninfo;
+static const char *down_conninfo;
+static PGconn *admin;			/* checks and competing claims */
+
+/* What the test handler does and saw. */
+typedef struct Ctx
+{
+	int			calls;			/* atomic */
+	int			fail;			/* handler's return value */
+	int			status;
+	const void *body;
+	size_t		body_len;
+	void		(*during) (struct Ctx *ctx, const IdemClaim *claim);
+	PGconn	   *guard_conn;		/* the connection the guard uses */
+	IdemOutcome competitor;		/* outcome of a claim made while running */
+	bool		flag;			/* what "during" found */
+} Ctx;
+
+/* Sleep for ms milliseconds. */
+static void
+sleep_ms(int ms)
+{
+	struct timespec ts;
+
+	ts.tv_sec = ms / 1000;
+	ts.tv_nsec = (long) (ms % 1000) * 1000000L;
+	nanosleep(&ts, NULL);
+}
+
+/* Connect or exit. */
+static PGconn *
+connect_or_die(const char *info)
+{
+	PGconn	   *conn = PQconnectdb(info);
+
+	if (PQstatus(conn) != CONNECTION_OK)
+	{
+		fprintf(stderr, "guard_test: %s", PQerrorMessage(conn));
+		exit(2);
+	}
+	return conn;
+}
+
+/* Run a query on admin with text parameters; the caller clears the result. */
+static PGresult *
+query(PGconn *conn, const char *sql, int nparams, const char *const *values)
+{
+	PGresult   *res = PQexecParams(conn, sql, nparams, NULL, values, NULL,
+								   NULL, 0);
+	ExecStatusType st = PQresultStatus(res);
+
+	if (st != PGRES_TUPLES_OK && st != PGRES_COMMAND_OK)
+		fprintf(stderr, "guard_test: %s: %s", sql, PQresultErrorMessage(res));
+	return res;
+}
+
+/* The first value of a query as a malloc'd string ("" if none). */
+static char *
+query_value(PGconn *conn, const char *sql, int nparams,
+			const char *const *values)
+{
+	PGresult   *res = query(conn, sql, nparams, values);
+	char	   *v;
+
+	if (PQresultStatus(res) == PGRES_TUPLES_OK && PQntuples(res) > 0 &&
+		!PQgetisnull(res, 0, 0))
+		v = strdup(PQgetvalue(res, 0, 0));
+	else
+		v = strdup("");
+	PQclear(res);
+	return v;
+}
+
+/* State of a key in the test scope: NONE, PROCESSING or DONE. */
+static const char *
+key_state(const char *key)
+{
+	const char *values[2] = {SCOPE, key};
+	char	   *v = query_value(admin,
+								"SELECT CASE WHEN status IS NULL THEN 'PROCESSING'"
+								" ELSE 'DONE' END FROM idem.keys"
+								" WHERE scope = $1 AND key = $2", 2, values);
+	const char *state = strcmp(v, "DONE") == 0 ? "DONE" :
+		strcmp(v, "PROCESSING") == 0 ? "PROCESSING" : "NONE";
+
+	free(v);
+	return state;
+}
+
+/* Current token of a key, as text ("" if none). */
+static char *
+key_token(const char *key)
+{
+	const char *values[2] = {SCOPE, key};
+
+	return query_value(admin, "SELECT token FROM idem.keys"
+					   " WHERE scope = $1 AND key = $2", 2, values);
+}
+
+/* Terminate a backend and wait until it is gone. */
+static void
+terminate(int pid)
+{
+	char		pidtext[16];
+	const char *values[1] = {pidtext};
+	int			i;
+
+	snprintf(pidtext, sizeof(pidtext), "%d", pid);
+	PQclear(query(admin, "SELECT pg_terminate_backend($1::integer)", 1, values));
+	for (i = 0; i < POLL_LIMIT; i++)
+	{
+		char	   *n = query_value(admin, "SELECT count(*) FROM pg_stat_activity"
+									" WHERE pid = $1::integer", 1, values);
+		bool		gone = strcmp(n, "0") == 0;
+
+		free(n);
+		if (gone)
+			return;
+		sleep_ms(10);
+	}
+}
+
+/* The test handler: count, run the "during" step, answer. */
+static int
+handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
+{
+	Ctx		   *ctx = arg;
+
+	__atomic_add_fetch(&ctx->calls, 1, __ATOMIC_SEQ_CST);
+	if (ctx->during)
+		ctx->during(ctx, claim);
+	idem_response_set(resp, ctx->status, ctx->body, ctx->body_len);
+	return ctx->fail;
+}
+
+/* A handler context answering status 201 "created". */
+static void
+ctx_init(Ctx *ctx)
+{
+	memset(ctx, 0, sizeof(Ctx));
+	ctx->status = 201;
+	ctx->body = "created";
+	ctx->body_len = 7;
+}
+
+/* Options of the test scope. */
+static void
+opts_init(IdemGuardOptions *opts)
+{
+	idem_guard_options_init(opts);
+	opts->scope = SCOPE;
+	opts->lease_ms = 5000;
+	opts->retention_ms = 600000;
+}
+
+/* Body of a response as printable text. */
+static const char *
+body_text(const IdemResult *res, char *buf, size_t size)
+{
+	snprintf(buf, size, "%.*s", (int) res->resp.body_len,
+			 res->resp.body ? (const char *) res->resp.body : "");
+	return buf;
+}
+
+/* Run the guard once; prints nothing. */
+static IdemOutcome
+run(PGconn *conn, const IdemGuardOptions *opts, const char *key,
+	const char *fp, Ctx *ctx, IdemResult *res)
+{
+	return idem_guard_do_opts(conn, opts, key, fp, handler, ctx, res);
+}
+
+/* A new key: executed, response stored; then replayed; then conflict. */
+static void
+test_basic(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	char		body[64];
+	char	   *stored;
+	const char *values[2] = {SCOPE, "basic"};
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	run(conn, &opts, "basic", "fp-1", &ctx, &res);
+	stored = query_value(admin, "SELECT status || '/' || convert_from(body, 'UTF8')"
+						 " FROM idem.keys WHERE scope = $1 AND key = $2",
+						 2, values);
+	printf("executed: outcome=%s failed=%s calls=%d status=%d body=%s token=%s stored=%s/%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, res.resp.status, body_text(&res, body, sizeof(body)),
+		   res.token > 0 ? "set" : "unset", key_state("basic"), stored);
+	free(stored);
+	idem_result_clear(&res);
+
+	run(conn, &opts, "basic", "fp-1", &ctx, &res);
+	printf("replayed: outcome=%s failed=%s calls=%d status=%d body=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, res.resp.status, body_text(&res, body, sizeof(body)));
+	idem_result_clear(&res);
+
+	run(conn, &opts, "basic", "fp-2", &ctx, &res);
+	printf("conflict: outcome=%s failed=%s calls=%d status=%d body_len=%zu\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, res.resp.status, res.resp.body_len);
+	idem_result_clear(&res);
+
+	/* Default options: default scope, server lease and retention. */
+	ctx_init(&ctx);
+	idem_guard_do(conn, "basic", "fp-3", handler, &ctx, &res);
+	printf("defaults: outcome=%s failed=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls);
+	idem_result_clear(&res);
+}
+
+/* A body with zero bytes replays byte for byte. */
+static void
+test_binary(PGconn *conn)
+{
+	static const unsigned char bytes[] = {0x00, 0xff, 0x0a, 0x00, 0x27, 0x5c};
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	IdemOutcome first;
+	size_t		i;
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	ctx.body = bytes;
+	ctx.body_len = sizeof(bytes);
+	first = run(conn, &opts, "binary", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	run(conn, &opts, "binary", "fp", &ctx, &res);
+	printf("binary: first=%s replay=%s len=%zu hex=", idem_outcome_name(first),
+		   idem_outcome_name(res.outcome), res.resp.body_len);
+	for (i = 0; i < res.resp.body_len; i++)
+		printf("%02x", res.resp.body[i]);
+	printf("\n");
+	idem_result_clear(&res);
+
+	/* An empty body is stored as empty, no body as NULL. */
+	ctx.body = "";
+	ctx.body_len = 0;
+	run(conn, &opts, "empty-body", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	run(conn, &opts, "empty-body", "fp", &ctx, &res);
+	printf("empty_body: outcome=%s body=%s len=%zu\n",
+		   idem_outcome_name(res.outcome), res.resp.body ? "empty" : "null",
+		   res.resp.body_len);
+	idem_result_clear(&res);
+	ctx.body = NULL;
+	run(conn, &opts, "null-body", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	run(conn, &opts, "null-body", "fp", &ctx, &res);
+	printf("null_body: outcome=%s body=%s len=%zu\n",
+		   idem_outcome_name(res.outcome), res.resp.body ? "empty" : "null",
+		   res.resp.body_len);
+	idem_result_clear(&res);
+}
+
+/* Claims held by others: committed, and uncommitted with wait off. */
+static void
+test_in_flight(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	PGconn	   *other = connect_or_die(conninfo);
+	const char *held[2] = {"held", SCOPE};
+	const char *open_claim[2] = {"open", SCOPE};
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
+				  2, held));
+	run(conn, &opts, "held", "fp", &ctx, &res);
+	printf("in_flight: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("held"));
+	idem_result_clear(&res);
+
+	/* An uncommitted claim: wait => false answers at once. */
+	PQclear(query(other, "BEGIN", 0, NULL));
+	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
+				  2, open_claim));
+	opts.wait = false;
+	run(conn, &opts, "open", "fp", &ctx, &res);
+	printf("in_flight_nowait: outcome=%s failed=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls);
+	idem_result_clear(&res);
+
+	/* wait => true blocks on it: the client timeout cancels the claim. */
+	opts.wait = true;
+	opts.timeout_ms = 300;
+	run(conn, &opts, "open", "fp", &ctx, &res);
+	printf("timeout: outcome=%s failed=%s message=%s calls=%d conn=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, ctx.calls,
+		   PQstatus(conn) == CONNECTION_OK ? "ok" : "bad");
+	idem_result_clear(&res);
+
+	/* The holder rolls back: the key is free and the same connection works. */
+	PQclear(query(other, "ROLLBACK", 0, NULL));
+	run(conn, &opts, "open", "fp", &ctx, &res);
+	printf("after_timeout: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("open"));
+	idem_result_clear(&res);
+	PQfinish(other);
+}
+
+/* The claim cannot be made: refused, lost, read-only, in a transaction. */
+static void
+test_unavailable(void)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	PGconn	   *conn;
+	const char *keys[] = {"dbname", "options", NULL};
+	const char *vals[] = {conninfo, "-c default_transaction_read_only=on", NULL};
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+
+	conn = PQconnectdb(down_conninfo);
+	run(conn, &opts, "down", "fp", &ctx, &res);
+	printf("unavailable_refused: outcome=%s failed=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls);
+	idem_result_clear(&res);
+	PQfinish(conn);
+
+	run(NULL, &opts, "down", "fp", &ctx, &res);
+	printf("unavailable_no_conn: outcome=%s failed=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls);
+	idem_result_clear(&res);
+
+	conn = connect_or_die(conninfo);
+	terminate(PQbackendPID(conn));
+	run(conn, &opts, "lost", "fp", &ctx, &res);
+	printf("unavailable_lost: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("lost"));
+	idem_result_clear(&res);
+	PQfinish(conn);
+
+	conn = PQconnectdbParams(keys, vals, 1);
+	run(conn, &opts, "read-only", "fp", &ctx, &res);
+	printf("unavailable_read_only: outcome=%s failed=%s sqlstate=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls, key_state("read-only"));
+	idem_result_clear(&res);
+	PQfinish(conn);
+
+	conn = connect_or_die(conninfo);
+	PQclear(query(conn, "BEGIN", 0, NULL));
+	run(conn, &opts, "in-tx", "fp", &ctx, &res);
+	printf("unavailable_in_transaction: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("in-tx"));
+	idem_result_clear(&res);
+	PQfinish(conn);
+}
+
+/* The fault hook at begin, then at complete; the handler failing. */
+static void
+test_faults(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	IdemFaultCounter begin_fault = {"begin", 2};
+	IdemFaultCounter complete_fault = {"complete", 1};
+	IdemFaultCounter release_fault = {"release", 1};
+	IdemOutcome o1,
+				o2,
+				o3;
+
+	/* begin fails twice, then works. */
+	opts_init(&opts);
+	ctx_init(&ctx);
+	opts.fault = idem_fault_fail_n;
+	opts.fault_arg = &begin_fault;
+	o1 = run(conn, &opts, "fault-begin", "fp", &ctx, &res);
+	printf("fault_begin: outcome=%s failed=%s message=%s calls=%d state=%s\n",
+		   idem_outcome_name(o1), idem_step_name(res.failed), res.message,
+		   ctx.calls, key_state("fault-begin"));
+	idem_result_clear(&res);
+	o2 = run(conn, &opts, "fault-begin", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	o3 = run(conn, &opts, "fault-begin", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	printf("fault_begin_n: outcomes=%s,%s,%s calls=%d state=%s\n",
+		   idem_outcome_name(o1), idem_outcome_name(o2), idem_outcome_name(o3),
+		   ctx.calls, key_state("fault-begin"));
+
+	/* complete fails once: in flight, then taken over after the lease. */
+	opts_init(&opts);
+	ctx_init(&ctx);
+	opts.fault = idem_fault_fail_n;
+	opts.fault_arg = &complete_fault;
+	run(conn, &opts, "fault-complete", "fp", &ctx, &res);
+	printf("fault_complete: outcome=%s failed=%s message=%s status=%d calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, res.resp.status, ctx.calls,
+		   key_state("fault-complete"));
+	idem_result_clear(&res);
+	run(conn, &opts, "fault-complete", "fp", &ctx, &res);
+	printf("fault_complete_retry: outcome=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), ctx.calls);
+	idem_result_clear(&res);
+	opts.clock_offset_s = 10;
+	run(conn, &opts, "fault-complete", "fp", &ctx, &res);
+	printf("fault_complete_takeover: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("fault-complete"));
+	idem_result_clear(&res);
+
+	/* Handler error: released by default, a retry runs at once. */
+	opts_init(&opts);
+	ctx_init(&ctx);
+	ctx.fail = 7;
+	run(conn, &opts, "handler-error", "fp", &ctx, &res);
+	printf("handler_error: outcome=%s failed=%s message=%s released=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, res.released ? "yes" : "no", ctx.calls,
+		   key_state("handler-error"));
+	idem_result_clear(&res);
+	ctx.fail = 0;
+	run(conn, &opts, "handler-error", "fp", &ctx, &res);
+	printf("handler_error_retry: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("handler-error"));
+	idem_result_clear(&res);
+
+	/* The Go behaviour: the key is left to its lease. */
+	ctx_init(&ctx);
+	ctx.fail = 7;
+	opts.keep_claim_on_error = true;
+	run(conn, &opts, "handler-keep", "fp", &ctx, &res);
+	printf("handler_error_keep: outcome=%s failed=%s released=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.released ? "yes" : "no", ctx.calls, key_state("handler-keep"));
+	idem_result_clear(&res);
+	ctx.fail = 0;
+	run(conn, &opts, "handler-keep", "fp", &ctx, &res);
+	printf("handler_error_keep_retry: outcome=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), ctx.calls);
+	idem_result_clear(&res);
+	opts.clock_offset_s = 10;
+	run(conn, &opts, "handler-keep", "fp", &ctx, &res);
+	printf("handler_error_keep_takeover: outcome=%s failed=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, key_state("handler-keep"));
+	idem_result_clear(&res);
+
+	/* The release itself fails: reported, the key waits for its lease. */
+	opts_init(&opts);
+	ctx_init(&ctx);
+	ctx.fail = 7;
+	opts.fault = idem_fault_fail_n;
+	opts.fault_arg = &release_fault;
+	run(conn, &opts, "release-fault", "fp", &ctx, &res);
+	printf("release_fault: outcome=%s failed=%s message=%s released=%s state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, res.released ? "yes" : "no",
+		   key_state("release-fault"));
+	idem_result_clear(&res);
+}
+
+/* "during" step: terminate the guard's own backend. */
+static void
+during_terminate(Ctx *ctx, const IdemClaim *claim)
+{
+	(void) claim;
+	terminate(PQbackendPID(ctx->guard_conn));
+}
+
+/* "during" step: another caller takes the key over after the lease. */
+static void
+during_takeover(Ctx *ctx, const IdemClaim *claim)
+{
+	const char *values[2] = {claim->key, claim->scope};
+	PGconn	   *other = connect_or_die(conninfo);
+	char	   *claimed;
+
+	PQclear(query(other, "SET idem.clock_offset = 60", 0, NULL));
+	claimed = query_value(other, "SELECT claimed FROM idem_begin($1, 'fp',"
+						  " lease => '5 s', scope => $2)", 2, values);
+	ctx->flag = strcmp(claimed, "t") == 0;
+	free(claimed);
+	PQfinish(other);
+}
+
+/* Complete fails after the handler: connection lost, token superseded. */
+static void
+test_complete_failures(void)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	PGconn	   *conn = connect_or_die(conninfo);
+	char	   *token_after;
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	ctx.during = during_terminate;
+	ctx.guard_conn = conn;
+	run(conn, &opts, "complete-lost", "fp", &ctx, &res);
+	printf("complete_lost: outcome=%s failed=%s status=%d calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.resp.status, ctx.calls, key_state("complete-lost"));
+	idem_result_clear(&res);
+	PQfinish(conn);
+
+	conn = connect_or_die(conninfo);
+	ctx_init(&ctx);
+	ctx.during = during_takeover;
+	run(conn, &opts, "superseded", "fp", &ctx, &res);
+	token_after = key_token("superseded");
+	printf("superseded: outcome=%s failed=%s sqlstate=%s taken_over=%s token_changed=%s state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.flag ? "yes" : "no",
+		   strtoll(token_after, NULL, 10) != res.token ? "yes" : "no",
+		   key_state("superseded"));
+	free(token_after);
+	idem_result_clear(&res);
+	PQfinish(conn);
+}
+
+/*
+ * "during" step: wait until the heartbeat has moved the lease and the
+ * first lease is over by the server's clock, then let another caller
+ * try the key.
+ */
+static void
+during_outlive_lease(Ctx *ctx, const IdemClaim *claim)
+{
+	const char *values[2] = {claim->key, claim->scope};
+	char	   *first = query_value(admin, "SELECT lease_until FROM idem.keys"
+									" WHERE key = $1 AND scope = $2", 2, values);
+	const char *cmp[3] = {first, claim->key, claim->scope};
+	PGconn	   *other = connect_or_die(conninfo);
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			octx;
+	int			i;
+
+	for (i = 0; i < POLL_LIMIT; i++)
+	{
+		char	   *v = query_value(admin,
+									"SELECT clock_timestamp() > $1::timestamptz"
+									" AND lease_until > $1::timestamptz"
+									" FROM idem.keys WHERE key = $2 AND scope = $3",
+									3, cmp);
+		bool		done = strcmp(v, "t") == 0;
+
+		free(v);
+		if (done)
+		{
+			ctx->flag = true;
+			break;
+		}
+		sleep_ms(10);
+	}
+	opts_init(&opts);
+	ctx_init(&octx);
+	ctx->competitor = run(other, &opts, claim->key, "fp", &octx, &res);
+	idem_result_clear(&res);
+	PQfinish(other);
+	free(first);
+}
+
+/* "during" step: lose the key to a takeover, wait for the heartbeat to see it. */
+static void
+during_lose_key(Ctx *ctx, const IdemClaim *claim)
+{
+	int			i;
+
+	during_takeover(ctx, claim);
+	for (i = 0; i < POLL_LIMIT && !idem_claim_lost(claim); i++)
+		sleep_ms(10);
+	ctx->competitor = idem_claim_lost(claim) ? IDEM_EXECUTED : IDEM_IN_FLIGHT;
+}
+
+/* The heartbeat extends the lease; a superseded token stops it. */
+static void
+test_heartbeat(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	opts_init(&opts);
+	opts.lease_ms = 1500;
+	opts.heartbeat_conninfo = conninfo;
+	ctx_init(&ctx);
+	ctx.during = during_outlive_lease;
+	run(conn, &opts, "heartbeat", "fp", &ctx, &res);
+	printf("heartbeat: outcome=%s failed=%s lease_outlived=%s competitor=%s extends=%s superseded=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.flag ? "yes" : "no", idem_outcome_name(ctx.competitor),
+		   res.extends > 0 ? "some" : "none",
+		   res.superseded ? "yes" : "no", ctx.calls, key_state("heartbeat"));
+	idem_result_clear(&res);
+
+	ctx_init(&ctx);
+	ctx.during = during_lose_key;
+	run(conn, &opts, "heartbeat-lost", "fp", &ctx, &res);
+	printf("heartbeat_superseded: outcome=%s failed=%s sqlstate=%s taken_over=%s lost_seen=%s superseded=%s state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.flag ? "yes" : "no",
+		   ctx.competitor == IDEM_EXECUTED ? "yes" : "no",
+		   res.superseded ? "yes" : "no", key_state("heartbeat-lost"));
+	idem_result_clear(&res);
+
+	/* No heartbeat connection: the claim is given up, the handler not run. */
+	ctx_init(&ctx);
+	opts.heartbeat_conninfo = down_conninfo;
+	run(conn, &opts, "heartbeat-down", "fp", &ctx, &res);
+	printf("heartbeat_unavailable: outcome=%s failed=%s released=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.released ? "yes" : "no", ctx.calls,
+		   key_state("heartbeat-down"));
+	idem_result_clear(&res);
+}
+
+/* Scopes, the window, and the test clock. */
+static void
+test_scope_and_window(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	IdemOutcome a,
+				b,
+				again;
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	opts.scope = "tenant-a";
+	a = run(conn, &opts, "scoped", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	opts.scope = "tenant-b";
+	b = run(conn, &opts, "scoped", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	again = run(conn, &opts, "scoped", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	printf("scopes: a=%s b=%s b_again=%s calls=%d\n", idem_outcome_name(a),
+		   idem_outcome_name(b), idem_outcome_name(again), ctx.calls);
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	opts.retention_ms = 10000;
+	a = run(conn, &opts, "window", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	b = run(conn, &opts, "window", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	opts.clock_offset_s = 20;
+	again = run(conn, &opts, "window", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	printf("window: first=%s inside=%s after=%s calls=%d\n",
+		   idem_outcome_name(a), idem_outcome_name(b),
+		   idem_outcome_name(again), ctx.calls);
+}
+
+/* One thread of the concurrency test. */
+typedef struct Worker
+{
+	pthread_t	thread;
+	pthread_barrier_t *start;
+	Ctx		   *ctx;
+	IdemOutcome outcome;
+	IdemStep	failed;
+} Worker;
+
+/* Thread body: one guarded call on its own connection. */
+static void *
+worker_main(void *arg)
+{
+	Worker	   *w = arg;
+	PGconn	   *conn = connect_or_die(conninfo);
+	IdemGuardOptions opts;
+	IdemResult	res;
+
+	opts_init(&opts);
+	pthread_barrier_wait(w->start);
+	w->outcome = run(conn, &opts, "threads", "fp", w->ctx, &res);
+	w->failed = res.failed;
+	idem_result_clear(&res);
+	PQfinish(conn);
+	return NULL;
+}
+
+/* "during" step: a short handler. */
+static void
+during_sleep(Ctx *ctx, const IdemClaim *claim)
+{
+	(void) ctx;
+	(void) claim;
+	sleep_ms(20);
+}
+
+/* Eight threads, one connection each, one key: one execution. */
+static void
+test_threads(void)
+{
+	Worker		workers[8];
+	pthread_barrier_t start;
+	Ctx			ctx;
+	int			executed = 0,
+				others = 0,
+				errors = 0;
+	int			i;
+
+	ctx_init(&ctx);
+	ctx.during = during_sleep;
+	pthread_barrier_init(&start, NULL, 8);
+	for (i = 0; i < 8; i++)
+	{
+		workers[i].start = &start;
+		workers[i].ctx = &ctx;
+		pthread_create(&workers[i].thread, NULL, worker_main, &workers[i]);
+	}
+	for (i = 0; i < 8; i++)
+	{
+		pthread_join(workers[i].thread, NULL);
+		if (workers[i].outcome == IDEM_EXECUTED)
+			executed++;
+		else if (workers[i].outcome == IDEM_IN_FLIGHT ||
+				 workers[i].outcome == IDEM_REPLAYED)
+			others++;
+		if (workers[i].failed != IDEM_STEP_NONE)
+			errors++;
+	}
+	pthread_barrier_destroy(&start);
+	printf("threads: executed=%d others=%d errors=%d calls=%d state=%s\n",
+		   executed, others, errors, ctx.calls, key_state("threads"));
+}
+
+/* Run every case. */
+int
+main(int argc, char **argv)
+{
+	PGconn	   *conn;
+
+	if (argc != 3)
+	{
+		fprintf(stderr, "usage: %s CONNINFO DOWN_CONNINFO\n", argv[0]);
+		return 2;
+	}
+	conninfo = argv[1];
+	down_conninfo = argv[2];
+	setvbuf(stdout, NULL, _IOLBF, 0);
+	admin = connect_or_die(conninfo);
+	conn = connect_or_die(conninfo);
+
+	test_basic(conn);
+	test_binary(conn);
+	test_in_flight(conn);
+	test_unavailable();
+	test_faults(conn);
+	test_complete_failures();
+	test_heartbeat(conn);
+	test_scope_and_window(conn);
+	test_threads();
+
+	PQfinish(conn);
+	PQfinish(admin);
+	printf("done\n");
+	return 0;
+}

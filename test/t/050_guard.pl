@@ -1,0 +1,106 @@
+# The client guard (guard/idem_guard.c) against a live server: every
+# outcome, a fault at each step (begin, handler, complete, release), the
+# heartbeat, a superseded token, and eight threads on one key.  The test
+# program test/guard/guard_test prints one line per case; each line must
+# be exactly as listed here.
+use strict;
+use warnings;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $top = $ENV{TESTDIR} || '.';
+my $program = "$top/test/guard/guard_test";
+system('make', '-s', '-C', "$top/guard") unless -x $program;
+ok(-x $program, 'guard test program is built');
+
+my $node = PostgreSQL::Test::Cluster->new('guard');
+$node->init;
+$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idem'");
+$node->start;
+$node->safe_psql('postgres', 'CREATE EXTENSION idem');
+
+# No server listens on this port: the store is down.
+my $down = 'host=' . $node->host . ' port='
+  . PostgreSQL::Test::Cluster::get_free_port()
+  . ' dbname=postgres connect_timeout=2';
+
+my ($stdout, $stderr);
+my $ok = IPC::Run::run([ $program, $node->connstr('postgres'), $down ],
+	'>', \$stdout, '2>', \$stderr);
+ok($ok, 'guard test program exits 0') or diag($stderr);
+my %got = map { /^(\w+)(?:: (.*))?$/ ? ($1 => $2 // q{}) : () } split /\n/, $stdout;
+
+my @expected = (
+	# A new key runs the handler and stores its response; the same key
+	# replays it; another fingerprint is a conflict and reveals nothing.
+	[ executed => 'outcome=EXECUTED failed=none calls=1 status=201 body=created token=set stored=DONE/201/created' ],
+	[ replayed => 'outcome=REPLAYED failed=none calls=1 status=201 body=created' ],
+	[ conflict => 'outcome=CONFLICT failed=none calls=1 status=0 body_len=0' ],
+	[ defaults => 'outcome=EXECUTED failed=none calls=1' ],
+	# Bodies go through as bytes: zero bytes, empty and NULL bodies.
+	[ binary => 'first=EXECUTED replay=REPLAYED len=6 hex=00ff0a00275c' ],
+	[ empty_body => 'outcome=REPLAYED body=empty len=0' ],
+	[ null_body => 'outcome=REPLAYED body=null len=0' ],
+	# Another caller's claim: committed, uncommitted with wait off, and
+	# uncommitted with wait on, cut by the client timeout (the connection
+	# stays usable and claims the key once the holder rolls back).
+	[ in_flight => 'outcome=IN_FLIGHT failed=none calls=0 state=PROCESSING' ],
+	[ in_flight_nowait => 'outcome=IN_FLIGHT failed=none calls=0' ],
+	[ timeout => 'outcome=UNAVAILABLE failed=begin message=statement timed out after 300 ms calls=0 conn=ok' ],
+	[ after_timeout => 'outcome=EXECUTED failed=none calls=1 state=DONE' ],
+	# No claim can be made: the handler never runs.
+	[ unavailable_refused => 'outcome=UNAVAILABLE failed=begin calls=0' ],
+	[ unavailable_no_conn => 'outcome=UNAVAILABLE failed=begin calls=0' ],
+	[ unavailable_lost => 'outcome=UNAVAILABLE failed=begin calls=0 state=NONE' ],
+	[ unavailable_read_only => 'outcome=UNAVAILABLE failed=begin sqlstate=25006 calls=0 state=NONE' ],
+	[ unavailable_in_transaction => 'outcome=UNAVAILABLE failed=begin calls=0 state=NONE' ],
+	# Fault hook at begin (twice, then the call goes through).
+	[ fault_begin => 'outcome=UNAVAILABLE failed=begin message=fault injected at begin calls=0 state=NONE' ],
+	[ fault_begin_n => 'outcomes=UNAVAILABLE,UNAVAILABLE,EXECUTED calls=1 state=DONE' ],
+	# Fault hook at complete: reported, key PROCESSING, in flight inside
+	# the lease, taken over after it (test clock moved by 10 s).
+	[ fault_complete => 'outcome=EXECUTED failed=complete message=fault injected at complete status=201 calls=1 state=PROCESSING' ],
+	[ fault_complete_retry => 'outcome=IN_FLIGHT calls=1' ],
+	[ fault_complete_takeover => 'outcome=EXECUTED failed=none calls=2 state=DONE' ],
+	# Handler error: released by default, so a retry runs at once ...
+	[ handler_error => 'outcome=EXECUTED failed=handler message=handler failed (7) released=yes calls=1 state=NONE' ],
+	[ handler_error_retry => 'outcome=EXECUTED failed=none calls=2 state=DONE' ],
+	# ... or left to the lease as the Go guard does.
+	[ handler_error_keep => 'outcome=EXECUTED failed=handler released=no calls=1 state=PROCESSING' ],
+	[ handler_error_keep_retry => 'outcome=IN_FLIGHT calls=1' ],
+	[ handler_error_keep_takeover => 'outcome=EXECUTED failed=none calls=2 state=DONE' ],
+	[ release_fault => 'outcome=EXECUTED failed=handler message=handler failed (7); release failed: fault injected at release released=no state=PROCESSING' ],
+	# Complete fails for real: connection lost, token superseded.
+	[ complete_lost => 'outcome=EXECUTED failed=complete status=201 calls=1 state=PROCESSING' ],
+	[ superseded => 'outcome=EXECUTED failed=complete sqlstate=ID002 taken_over=yes token_changed=yes state=PROCESSING' ],
+	# The heartbeat keeps a 1.5 s lease alive past its first end (another
+	# caller finds the key in flight), and stops when the token is
+	# superseded, which makes complete fail.
+	[ heartbeat => 'outcome=EXECUTED failed=none lease_outlived=yes competitor=IN_FLIGHT extends=some superseded=no calls=1 state=DONE' ],
+	[ heartbeat_superseded => 'outcome=EXECUTED failed=complete sqlstate=ID002 taken_over=yes lost_seen=yes superseded=yes state=PROCESSING' ],
+	[ heartbeat_unavailable => 'outcome=UNAVAILABLE failed=heartbeat released=yes calls=0 state=NONE' ],
+	# Scopes are separate namespaces; the window ends (test clock).
+	[ scopes => 'a=EXECUTED b=EXECUTED b_again=REPLAYED calls=2' ],
+	[ window => 'first=EXECUTED inside=REPLAYED after=EXECUTED calls=2' ],
+	# Eight threads with a connection each, one key: one execution.
+	[ threads => 'executed=1 others=7 errors=0 calls=1 state=DONE' ],
+	[ done => '' ]);
+
+foreach my $case (@expected)
+{
+	my ($name, $line) = @$case;
+	is($got{$name}, $line, $name);
+}
+
+# Exactly the keys whose complete failed or whose claim was kept are left
+# PROCESSING.
+is( $node->safe_psql(
+		'postgres',
+		"SELECT string_agg(key, ',' ORDER BY key) FROM idem.keys"
+		  . " WHERE scope = 'gt' AND status IS NULL"),
+	'complete-lost,heartbeat-lost,held,release-fault,superseded',
+	'keys left PROCESSING');
+
+$node->stop;
+done_testing();
