@@ -19,6 +19,7 @@
 
 #include "idem.h"
 #include "stats.h"
+#include "worker.h"
 
 PG_MODULE_MAGIC;
 
@@ -31,6 +32,8 @@ int			idem_max_key_length = 255;
 int			idem_max_body_size = 1024 * 1024;
 int			idem_clock_offset = 0;
 int			idem_purge_batch_size = 10000;
+int			idem_purge_naptime = 10;
+bool		idem_purge_enabled = true;
 
 void		_PG_init(void);
 
@@ -90,6 +93,20 @@ _PG_init(void)
 							10000, 1, 1000000,
 							PGC_SIGHUP, 0,
 							NULL, NULL, NULL);
+	DefineCustomIntVariable("idem.purge_naptime",
+							"Time between two purge passes over all databases.",
+							"Used by the background worker; needs idem in shared_preload_libraries.",
+							&idem_purge_naptime,
+							10, 1, INT_MAX / 1000,
+							PGC_SIGHUP, GUC_UNIT_S,
+							NULL, NULL, NULL);
+	DefineCustomBoolVariable("idem.purge_enabled",
+							 "Whether the background worker purges expired keys.",
+							 "Needs idem in shared_preload_libraries.",
+							 &idem_purge_enabled,
+							 true,
+							 PGC_SIGHUP, 0,
+							 NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("idem");
 
@@ -97,6 +114,7 @@ _PG_init(void)
 		return;
 
 	idem_stats_shmem_init();
+	idem_worker_register();
 }
 
 /* The clock every lease and retention decision uses. */

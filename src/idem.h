@@ -34,6 +34,8 @@ extern int	idem_max_key_length;
 extern int	idem_max_body_size;
 extern int	idem_clock_offset;
 extern int	idem_purge_batch_size;
+extern int	idem_purge_naptime;
+extern bool idem_purge_enabled;
 
 /* idem.c */
 extern TimestampTz idem_now(void);

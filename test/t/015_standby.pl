@@ -1,0 +1,87 @@
+# On a streaming hot standby idem_begin fails as read-only (25006) and the
+# launcher purges nothing; once the standby is promoted, it purges.
+use strict;
+use warnings;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $primary = PostgreSQL::Test::Cluster->new('primary');
+$primary->init(allows_streaming => 1);
+# Purge is off on the primary, so that expired keys reach the standby.
+$primary->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idem'
+idem.purge_naptime = 1
+idem.purge_enabled = off
+});
+$primary->start;
+$primary->safe_psql('postgres', 'CREATE EXTENSION idem');
+$primary->backup('backup');
+
+my $standby = PostgreSQL::Test::Cluster->new('standby');
+$standby->init_from_backup($primary, 'backup', has_streaming => 1);
+$standby->append_conf('postgresql.conf', qq{
+idem.purge_enabled = on
+log_min_messages = debug1
+});
+$standby->start;
+
+$primary->safe_psql('postgres', q{
+SET idem.clock_offset = '-1h';
+SELECT count(*) FROM generate_series(1, 40) g,
+	idem_begin('old-' || g, 'f', lease => '1s', retention => '1s');
+RESET idem.clock_offset;
+SELECT count(*) FROM idem_begin('live', 'f');
+});
+$primary->wait_for_catchup($standby);
+
+sub count_keys
+{
+	my ($node, $pattern) = @_;
+	return $node->safe_psql('postgres',
+		"SELECT count(*) FROM idem.keys WHERE key LIKE '$pattern'");
+}
+
+is(count_keys($standby, 'old-%'), '40', 'expired keys replicated to the standby');
+
+my ($ret, $out, $err) = $standby->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT * FROM idem_begin('new', 'f')");
+isnt($ret, 0, 'idem_begin fails on the standby');
+like($err, qr/ERROR:  25006:/, 'with SQLSTATE 25006 (read-only transaction)');
+
+# The launcher runs on the standby and skips its passes.
+ok( $standby->poll_query_until('postgres',
+		"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idem launcher'",
+		'1'),
+	'launcher running on the standby');
+my $offset = -s $standby->logfile;
+$offset = $standby->wait_for_log(qr/no purge pass, recovery is in progress/, $offset);
+$standby->wait_for_log(qr/no purge pass, recovery is in progress/, $offset);
+is(count_keys($standby, 'old-%'), '40', 'no purge on the standby');
+is( $standby->safe_psql('postgres',
+		'SELECT coalesce(sum(purge_runs), 0) FROM idem_stats'),
+	'0', 'no purge runs counted on the standby');
+ok(!$standby->log_contains(qr/background worker "idem purge"/, 0),
+	'no purge worker started on the standby');
+
+# Promotion: the same launcher starts purging.
+my $launcher = $standby->safe_psql('postgres',
+	"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'");
+$standby->promote;
+ok($standby->poll_query_until('postgres',
+		"SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'", '0'),
+	'expired keys purged after promotion');
+is(count_keys($standby, 'live'), '1', 'the live key stays');
+is( $standby->safe_psql('postgres',
+		"SELECT purge_runs > 0, purged_rows FROM idem_stats WHERE datname = 'postgres'"),
+	't|40', 'idem_stats counts the purge on the promoted server');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed FROM idem_begin('new', 'f')"),
+	't', 'idem_begin works after promotion');
+is( $standby->safe_psql('postgres',
+		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'"),
+	$launcher, 'the launcher of the standby carried on after promotion');
+
+$standby->stop;
+$primary->stop;
+done_testing();
