@@ -15,7 +15,8 @@ $sudo make -s install >/dev/null
 dir=/tmp/idem-demo.$$
 port=54329
 bindir=$(pg_config --bindir)
-trap 'sh "$top/test/cluster.sh" stop "$dir"; rm -rf "$dir"' EXIT INT TERM
+trap 'sh "$top/test/cluster.sh" stop "$dir"; rm -rf "$dir"' EXIT
+trap 'exit 130' INT TERM
 echo "starting a throwaway cluster in $dir"
 sh test/cluster.sh start "$dir" "$port"
 

@@ -67,7 +67,7 @@ connect_or_die(const char *info)
 	return conn;
 }
 
-/* Run a query on admin with text parameters; the caller clears the result. */
+/* Run a query with text parameters; the caller clears the result. */
 static PGresult *
 query(PGconn *conn, const char *sql, int nparams, const char *const *values)
 {
