@@ -136,30 +136,58 @@ idem_add_interval(TimestampTz ts, Interval *span)
 /*
  * End of a lease or retention window starting at now.  A NULL span takes
  * default_secs.  The window must be positive and no longer than
- * idem.max_retention.
+ * idem.max_retention.  A span is measured as interval comparison does (a
+ * day is 24 hours, a month 30 days), so whether '30 days' is allowed does
+ * not depend on the time zone's daylight-saving changes.
  */
 TimestampTz
 idem_window_end(TimestampTz now, Interval *span, int default_secs,
 				const char *argname)
 {
 	TimestampTz end;
-	TimestampTz limit = now + (int64) idem_max_retention * USECS_PER_SEC;
+	bool		positive;
+	bool		too_long;
 
 	if (span == NULL)
-		end = now + (int64) default_secs * USECS_PER_SEC;
+	{
+		positive = default_secs > 0;
+		too_long = default_secs > idem_max_retention;
+	}
 	else
-		end = idem_add_interval(now, span);
+	{
+		Interval	zero;
+		Interval	limit;
 
-	if (end <= now)
+		memset(&zero, 0, sizeof(zero));
+		memset(&limit, 0, sizeof(limit));
+		limit.time = (int64) idem_max_retention * USECS_PER_SEC;
+		positive = DatumGetBool(DirectFunctionCall2(interval_gt,
+													PointerGetDatum(span),
+													PointerGetDatum(&zero)));
+		too_long = DatumGetBool(DirectFunctionCall2(interval_gt,
+													PointerGetDatum(span),
+													PointerGetDatum(&limit)));
+	}
+
+	if (!positive)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must be positive", argname)));
-	if (end > limit)
+	if (too_long)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must not exceed idem.max_retention", argname),
 				 errdetail("idem.max_retention is %d seconds.",
 						   idem_max_retention)));
+
+	if (span == NULL)
+		end = now + (int64) default_secs * USECS_PER_SEC;
+	else
+		end = idem_add_interval(now, span);
+	if (end <= now)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("%s must be positive", argname)));
 	return end;
 }
 
