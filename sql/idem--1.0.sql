@@ -16,6 +16,10 @@ CREATE SEQUENCE idem.token_seq AS bigint;
 /*
  * One row per (scope, key).  The fingerprint is a SHA-256 digest of the
  * caller's text.  A row is DONE when status is set, PROCESSING otherwise.
+ * Keys compare bytewise (C collation).  The primary key is the only index,
+ * and pages keep 10% free, so that storing a response (an UPDATE of
+ * non-indexed columns) can be a HOT update; purge walks the table instead
+ * of using an index on expires_at.
  */
 CREATE TABLE idem.keys (
 	scope		text COLLATE "C" NOT NULL,
@@ -27,8 +31,7 @@ CREATE TABLE idem.keys (
 	lease_until	timestamptz,
 	expires_at	timestamptz NOT NULL,
 	PRIMARY KEY (scope, key)
-);
-CREATE INDEX keys_expires_at_idx ON idem.keys (expires_at);
+) WITH (fillfactor = 90);
 REVOKE ALL ON idem.keys, idem.token_seq FROM PUBLIC;
 
 CREATE FUNCTION idem_begin(key text, fingerprint text,
