@@ -8,11 +8,11 @@
 
 EXTENSION = idem
 MODULE_big = idem
-OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/stats.o src/worker.o
+OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/sha256.o src/stats.o src/worker.o
 DATA = sql/idem--1.0.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
-REGRESS = setup begin complete lease release_extend savepoint purge bad_input \
+REGRESS = setup begin fingerprint complete lease release_extend savepoint purge bad_input \
 	settings go_scenarios interface
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
 	--outputdir=test/output/regress

@@ -48,6 +48,9 @@ extern void idem_check_key(text *key, const char *argname,
 						   bool allow_empty);
 
 /* purge.c */
+/* sha256.c */
+extern void idem_sha256(const uint8 *data, size_t len, uint8 *out);
+
 extern int64 idem_purge_batch(TimestampTz now, int limit);
 
 #endif							/* IDEM_H */

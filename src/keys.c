@@ -19,7 +19,6 @@
 #include "access/tableam.h"
 #include "access/xact.h"
 #include "catalog/pg_type.h"
-#include "common/cryptohash.h"
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
@@ -170,16 +169,9 @@ static bytea *
 fingerprint_digest(text *fingerprint)
 {
 	bytea	   *digest = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
-	pg_cryptohash_ctx *ctx = pg_cryptohash_create(PG_SHA256);
 
-	if (pg_cryptohash_init(ctx) < 0 ||
-		pg_cryptohash_update(ctx, (uint8 *) VARDATA_ANY(fingerprint),
-							 VARSIZE_ANY_EXHDR(fingerprint)) < 0 ||
-		pg_cryptohash_final(ctx, (uint8 *) VARDATA(digest),
-							IDEM_FINGERPRINT_LEN) < 0)
-		elog(ERROR, "could not compute fingerprint digest: %s",
-			 pg_cryptohash_error(ctx));
-	pg_cryptohash_free(ctx);
+	idem_sha256((uint8 *) VARDATA_ANY(fingerprint),
+				VARSIZE_ANY_EXHDR(fingerprint), (uint8 *) VARDATA(digest));
 	SET_VARSIZE(digest, VARHDRSZ + IDEM_FINGERPRINT_LEN);
 	return digest;
 }
