@@ -240,6 +240,16 @@ visit_database(IdemDatabase *db)
 	return true;
 }
 
+/* Reload the configuration in the launcher, logging the settings it uses. */
+static void
+launcher_reload_config(void)
+{
+	if (worker_reload_config())
+		elog(DEBUG1, "idem launcher: configuration reloaded: purge_enabled %s, purge_naptime %d s, purge_batch_size %d",
+			 idem_purge_enabled ? "on" : "off", idem_purge_naptime,
+			 idem_purge_batch_size);
+}
+
 /* One pass: visit every database once, unless purge gets disabled. */
 static void
 launcher_pass(MemoryContext pass_cxt)
@@ -252,7 +262,7 @@ launcher_pass(MemoryContext pass_cxt)
 	foreach(lc, dbs)
 	{
 		CHECK_FOR_INTERRUPTS();
-		worker_reload_config();
+		launcher_reload_config();
 		if (!idem_purge_enabled)
 			break;
 		if (!visit_database((IdemDatabase *) lfirst(lc)))
@@ -290,10 +300,7 @@ idem_launcher_main(Datum main_arg)
 		long		delay_ms;
 
 		CHECK_FOR_INTERRUPTS();
-		if (worker_reload_config())
-			elog(DEBUG1, "idem launcher: configuration reloaded: purge_enabled %s, purge_naptime %d s, purge_batch_size %d",
-				 idem_purge_enabled ? "on" : "off", idem_purge_naptime,
-				 idem_purge_batch_size);
+		launcher_reload_config();
 
 		now = GetCurrentTimestamp();
 		next_pass = last_pass + (int64) idem_purge_naptime * USECS_PER_SEC;
@@ -309,7 +316,9 @@ idem_launcher_main(Datum main_arg)
 			continue;
 		}
 
-		delay_ms = (long) ((next_pass - now + 999) / 1000);
+		/* At most one naptime, even if the clock was set back. */
+		delay_ms = (long) Min((next_pass - now + 999) / 1000,
+							  (int64) idem_purge_naptime * 1000);
 		(void) WaitLatch(MyLatch,
 						 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
 						 delay_ms, launcher_wait_event());

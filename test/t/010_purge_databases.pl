@@ -65,10 +65,12 @@ ok($node->poll_query_until('app2', "SELECT count(*) FROM idem.keys WHERE key LIK
 	'expired keys purged in app2');
 is(count_keys('app1', 'a-live-%'), '20', 'live keys kept in app1');
 is(count_keys('app2', 'b-live-%'), '30', 'live keys kept in app2');
-is( $node->safe_psql('app1',
+# The run is recorded just after its last batch commits.
+ok( $node->poll_query_until(
+		'app1',
 		"SELECT datname, purged_rows, last_purge IS NOT NULL, last_purge_error IS NULL"
-		  . " FROM idem_stats WHERE purge_runs > 0 ORDER BY datname"),
-	"app1|300|t|t\napp2|400|t|t",
+		  . " FROM idem_stats WHERE purge_runs > 0 ORDER BY datname",
+		"app1|300|t|t\napp2|400|t|t"),
 	'idem_stats: rows purged per database, no error');
 is( $node->safe_psql('app1',
 		"SELECT count(*) FROM idem_stats WHERE datname IN ('postgres', 'plain')"),

@@ -7,10 +7,11 @@ use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use Test::More;
+use IPC::Run;
 
 my $node = PostgreSQL::Test::Cluster->new('ddl');
 $node->init;
-# Small batches, so that purging a database takes many transactions.
+# Small batches, so that purging a database takes several transactions.
 $node->append_conf('postgresql.conf', qq{
 shared_preload_libraries = 'idem'
 idem.purge_naptime = 1
@@ -32,63 +33,75 @@ sub launcher_pid
 		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'");
 }
 
-# Add n expired keys to a database.
-sub add_expired
+# SQL adding n expired keys.
+sub expired_rows
 {
-	my ($db, $n) = @_;
-	$node->safe_psql($db, qq{
+	my ($n) = @_;
+	return qq{
 INSERT INTO idem.keys (scope, key, fingerprint, token, status, body, expires_at)
 SELECT '', 'old-' || g || '-' || nextval('idem.token_seq'), sha256('f'),
 	nextval('idem.token_seq'), 200, 'x', now() - interval '1 hour'
-FROM generate_series(1, $n) g});
+FROM generate_series(1, $n) g};
 }
 
-# Wait until a purge worker is connected to the database.
-sub wait_for_purge_in
+# Run a command on a database while a purge worker is in it.  A session
+# adds 200 expired keys under a lock on idem.keys, which holds the worker
+# at its first batch; the command then waits for the worker's lock on the
+# database; the session commits and leaves, the worker deletes one batch,
+# sees the command waiting and leaves instead of starting the next batch.
+# Returns true if the command succeeded.
+sub ddl_during_purge
 {
-	my ($db) = @_;
-	return $node->poll_query_until('postgres', qq{
+	my ($db, $ddl) = @_;
+
+	my $blocker = $node->background_psql($db);
+	$blocker->query_safe(
+		'BEGIN; LOCK TABLE idem.keys IN SHARE MODE; ' . expired_rows(200));
+	$node->poll_query_until('postgres', qq{
 SELECT count(*) FROM pg_stat_activity
-WHERE backend_type = 'idem purge' AND datname = '$db'}, '1');
+WHERE backend_type = 'idem purge' AND datname = '$db' AND wait_event_type = 'Lock'},
+		'1')
+	  or die "no purge worker in $db";
+
+	my ($out, $err) = ('', '');
+	my $runner = IPC::Run::start(
+		[ 'psql', '-XAtq', '-d', $node->connstr('postgres'), '-c', $ddl ],
+		'>', \$out, '2>', \$err);
+	$node->poll_query_until('postgres', qq{
+SELECT count(*) FROM pg_stat_activity
+WHERE query = '$ddl' AND wait_event_type = 'Lock'}, '1')
+	  or die "$ddl does not wait for the purge worker";
+
+	$blocker->query_safe('COMMIT');
+	$blocker->quit;
+	my $ok = $runner->finish;
+	diag($err) unless $ok;
+	return $ok;
 }
 
 my $offset = -s $node->logfile;
 
-add_expired('app', 50000);
-ok(wait_for_purge_in('app'), 'purge worker busy in app');
-my ($ret, $out, $err) =
-  $node->psql('postgres', 'CREATE DATABASE app_copy TEMPLATE app');
-is($ret, 0, 'CREATE DATABASE ... TEMPLATE app succeeds during purge')
-  or diag($err);
-cmp_ok($node->safe_psql('app_copy', 'SELECT count(*) FROM idem.keys'),
-	'>', 0, 'the copy has expired keys of its own');
+ok(ddl_during_purge('app', 'CREATE DATABASE app_copy TEMPLATE app'),
+	'CREATE DATABASE ... TEMPLATE app succeeds during purge');
 ok($node->poll_query_until('app_copy', 'SELECT count(*) FROM idem.keys', '0'),
-	'and the worker purges the copy too');
+	'the worker purges the copy too');
+is( $node->safe_psql('app_copy',
+		"SELECT purged_rows FROM idem_stats WHERE datname = 'app_copy'"),
+	'180', 'the copy had the 180 keys left after one batch of 20');
 
-add_expired('app', 50000);
-ok(wait_for_purge_in('app'), 'purge worker busy in app again');
-($ret, $out, $err) =
-  $node->psql('postgres', 'ALTER DATABASE app RENAME TO app_renamed');
-is($ret, 0, 'ALTER DATABASE ... RENAME succeeds during purge') or diag($err);
-
-add_expired('app_renamed', 50000);
-ok(wait_for_purge_in('app_renamed'), 'purge worker busy in the renamed database');
-($ret, $out, $err) = $node->psql('postgres', 'DROP DATABASE app_renamed');
-is($ret, 0, 'DROP DATABASE succeeds during purge') or diag($err);
-
-# With FORCE, PostgreSQL terminates the purge worker; the launcher goes on.
-add_expired('app_copy', 50000);
-ok(wait_for_purge_in('app_copy'), 'purge worker busy in the copy');
-($ret, $out, $err) =
-  $node->psql('postgres', 'DROP DATABASE app_copy WITH (FORCE)');
-is($ret, 0, 'DROP DATABASE ... WITH (FORCE) succeeds during purge')
-  or diag($err);
+ok(ddl_during_purge('app', 'ALTER DATABASE app RENAME TO app_renamed'),
+	'ALTER DATABASE ... RENAME succeeds during purge');
+ok(ddl_during_purge('app_renamed', 'DROP DATABASE app_renamed'),
+	'DROP DATABASE succeeds during purge');
+# With FORCE, PostgreSQL may also terminate the purge worker.
+ok(ddl_during_purge('app_copy', 'DROP DATABASE app_copy WITH (FORCE)'),
+	'DROP DATABASE ... WITH (FORCE) succeeds during purge');
 
 is( $node->safe_psql('postgres',
 		"SELECT count(*) FROM pg_database WHERE datname LIKE 'app%'"),
 	'0', 'all three databases are gone');
 
-add_expired('other', 1000);
+$node->safe_psql('other', expired_rows(1000));
 ok($node->poll_query_until('other', 'SELECT count(*) FROM idem.keys', '0'),
 	'the worker still purges the remaining database');
 is(launcher_pid(), $launcher_pid, 'same launcher throughout');

@@ -72,9 +72,10 @@ ok($standby->poll_query_until('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'", '0'),
 	'expired keys purged after promotion');
 is(count_keys($standby, 'live'), '1', 'the live key stays');
-is( $standby->safe_psql('postgres',
-		"SELECT purge_runs > 0, purged_rows FROM idem_stats WHERE datname = 'postgres'"),
-	't|40', 'idem_stats counts the purge on the promoted server');
+ok( $standby->poll_query_until('postgres',
+		"SELECT purge_runs > 0, purged_rows FROM idem_stats WHERE datname = 'postgres'",
+		't|40'),
+	'idem_stats counts the purge on the promoted server');
 is( $standby->safe_psql('postgres',
 		"SELECT claimed FROM idem_begin('new', 'f')"),
 	't', 'idem_begin works after promotion');

@@ -71,8 +71,11 @@ SELECT count(*) FROM generate_series(1, 30) g,
 ok($node->poll_query_until('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'", '0'),
 	'expired keys purged');
-is( stats('claims, purged_rows, purge_runs > 0, last_purge IS NOT NULL, last_purge_error IS NULL'),
-	'33|30|t|t|t', 'postgres: 30 rows purged, runs recorded, no error');
+ok( $node->poll_query_until('postgres',
+		"SELECT claims, purged_rows, purge_runs > 0, last_purge IS NOT NULL, last_purge_error IS NULL"
+		  . " FROM idem_stats WHERE datname = 'postgres'",
+		'33|30|t|t|t'),
+	'postgres: 30 rows purged, runs recorded, no error');
 ok( $node->poll_query_until('postgres',
 		"SELECT purged_rows = 0 AND purge_runs > 0 FROM idem_stats WHERE datname = 'other'"),
 	'other: visited, nothing to purge');
@@ -100,7 +103,7 @@ is(psql_ok("SELECT count(*) FROM idem.keys WHERE key LIKE 'doomed-%'"),
 ok( $node->log_contains(
 		qr/ERROR:  purge refused by a test trigger/, $offset),
 	'the error is logged');
-ok( $node->log_contains(
+ok( $node->wait_for_log(
 		qr/background worker "idem purge" \(PID \d+\) exited with exit code 1/,
 		$offset),
 	'the failed purge worker exited with status 1');
