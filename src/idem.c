@@ -21,7 +21,7 @@
 #include "stats.h"
 #include "worker.h"
 
-PG_MODULE_MAGIC;
+IDEM_MODULE_MAGIC;
 
 #define SECS_PER_30_DAYS	(30 * SECS_PER_DAY)
 

@@ -11,6 +11,7 @@
 
 #include "postgres.h"
 
+#include "compat.h"
 #include "datatype/timestamp.h"
 #include "utils/timestamp.h"
 

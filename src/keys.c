@@ -255,18 +255,14 @@ key_scan_begin(KeyScan *ks, text *scope, text *key, Snapshot snapshot)
 	ScanKeyData skey[2];
 
 	ks->rel = table_open(idem_keys_relid(), AccessShareLock);
-	ks->idx = index_open(RelationGetPrimaryKeyIndex(ks->rel), AccessShareLock);
+	ks->idx = index_open(idem_primary_key_index(ks->rel), AccessShareLock);
 	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
 						   ks->idx->rd_indcollation[0], F_TEXTEQ,
 						   PointerGetDatum(scope));
 	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
 						   ks->idx->rd_indcollation[1], F_TEXTEQ,
 						   PointerGetDatum(key));
-#if PG_VERSION_NUM >= 180000
-	ks->scan = index_beginscan(ks->rel, ks->idx, snapshot, NULL, 2, 0);
-#else
-	ks->scan = index_beginscan(ks->rel, ks->idx, snapshot, 2, 0);
-#endif
+	ks->scan = idem_index_beginscan(ks->rel, ks->idx, snapshot, 2, 0);
 	index_rescan(ks->scan, skey, 2, NULL, 0);
 	ks->slot = table_slot_create(ks->rel, NULL);
 }
@@ -706,9 +702,10 @@ idem_complete(PG_FUNCTION_ARGS)
 	IdemSpi		spi;
 	KeyRow		row;
 	Datum		values[8];
-	char		nulls[8] = "        ";
+	char		nulls[8];
 	bool		isnull;
 
+	memset(nulls, ' ', sizeof(nulls));
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),

@@ -21,13 +21,17 @@ if [ "$(id -u)" -eq 0 ]; then
 	{ su idemtest -s /bin/sh -c "cd '$work' && make -s PG_CONFIG='$pg_config' installcheck" 2>&1
 	  echo "exit status $?"; } | tee "$log"
 	[ -d "$work/test/output" ] && rm -rf "$top/test/output" && cp -a "$work/test/output" "$top/test/output"
+	# The TAP tests' server and test logs.
+	[ -d "$work/tmp_check/log" ] && mkdir -p "$top/test/output" &&
+		cp -a "$work/tmp_check/log" "$top/test/output/tap"
 	rm -rf "$work"
 else
 	sudo make -s install >/dev/null || exit 1
 	{ make -s installcheck 2>&1; echo "exit status $?"; } | tee "$log"
 fi
-# Count test cases: pg_regress and isolation lines, TAP assertions.
-regress=$(grep -Ec '^(test|     ) .*\.\.\. ok' "$log")
+# Count test cases: pg_regress and isolation lines (the "test x ... ok" of
+# PostgreSQL 15, the "ok 1 - x" of 16 and later), TAP assertions.
+regress=$(grep -Ec '^(test|     ) .*\.\.\. ok|^ok [0-9]+ +[-+] ' "$log")
 tap=$(sed -n 's/^Files=[0-9]*, Tests=\([0-9]*\),.*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
 passed=$((regress + tap))
 failed=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)' "$log")

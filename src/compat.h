@@ -1,0 +1,57 @@
+/*-------------------------------------------------------------------------
+ *
+ * compat.h
+ *	  Differences between the PostgreSQL major versions idem builds against
+ *	  (15 to 18), so that the rest of the code reads the same on each.
+ *
+ *	  Other version differences, kept where they are used:
+ *	  - src/worker.c, launcher_wait_event(): custom wait event names for
+ *		extensions (WaitEventExtensionNew) from 17 on.
+ *	  - src/worker.c: PGDLLEXPORT on the background worker entry points,
+ *		needed from 16 on, where symbols are hidden by default.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_COMPAT_H
+#define IDEM_COMPAT_H
+
+#include "fmgr.h"
+
+#if PG_VERSION_NUM < 150000
+#error "idem needs PostgreSQL 15 or later"
+#endif
+
+/*
+ * The module's magic block.  From 18 on it also carries the module's name,
+ * shown by pg_get_loaded_modules().  The version is left out: the
+ * extension's version is in pg_extension.
+ */
+#if PG_VERSION_NUM >= 180000
+#define IDEM_MODULE_MAGIC	PG_MODULE_MAGIC_EXT(.name = "idem")
+#else
+#define IDEM_MODULE_MAGIC	PG_MODULE_MAGIC
+#endif
+
+/*
+ * The primary key index of a relation.  From 18 on the caller says whether
+ * a deferrable primary key will do; idem's key table has an immediate one.
+ */
+#if PG_VERSION_NUM >= 180000
+#define idem_primary_key_index(rel)	RelationGetPrimaryKeyIndex((rel), false)
+#else
+#define idem_primary_key_index(rel)	RelationGetPrimaryKeyIndex(rel)
+#endif
+
+/*
+ * index_beginscan without instrumentation.  From 18 on it takes an
+ * IndexScanInstrumentation pointer after the snapshot.
+ */
+#if PG_VERSION_NUM >= 180000
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), NULL, (nkeys), (norderbys))
+#else
+#define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
+	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
+#endif
+
+#endif							/* IDEM_COMPAT_H */
