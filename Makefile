@@ -75,3 +75,10 @@ output-dirs:
 bench: deps
 	$(MAKE) -s all install
 	bash test/bench/bench.sh
+
+# Build and run every suite and the demo against each supported PostgreSQL
+# version: 15 on the host, 17 and 18 in cached Debian chroots (root only).
+# MATRIX="17 18" runs a subset.
+.PHONY: matrix
+matrix:
+	bash test/matrix.sh $(MATRIX)

@@ -1,0 +1,331 @@
+#!/bin/bash
+# Build and test idem against several PostgreSQL major versions (make matrix).
+#
+#   test/matrix.sh [VERSION...]             default: 15 17 18
+#   test/matrix.sh --prepare [VERSION...]   only build (or check) the chroots
+#
+# 15 is the host's (Debian 12) PostgreSQL.  Every other version runs in a
+# Debian chroot that ships it: 17 in trixie, 18 in sid.  Each version gets
+# the same snapshot of this tree, taken when the matrix starts, and runs what
+# make test runs (test/run.sh: build with -Werror, install, pg_regress,
+# isolation, TAP as the user idemtest) and then the demo (test/demo.sh).
+#
+# The chroots are built with debootstrap from the host's configured Debian
+# mirror and kept in $IDEM_MATRIX_CACHE (default /var/cache/idem-matrix) for
+# the next run; a chroot is reused only if its preparation finished (marker
+# file written last) with the same package list.  Mounts made for a run are
+# undone on exit, also when a test fails or the run is interrupted.
+#
+# Prints one summary line per version and exits non-zero if any failed.
+# Full logs: test/output-matrix/pgNN.log (and pgNN/, the suites' output).
+# Needs root (debootstrap, chroot, mount).
+set -u
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+cache=${IDEM_MATRIX_CACHE:-/var/cache/idem-matrix}
+logdir=$top/test/output-matrix
+host_version=15
+prepare_only=0
+if [ "${1:-}" = "--prepare" ]; then
+	prepare_only=1
+	shift
+fi
+versions=("$@")
+[ ${#versions[@]} -gt 0 ] || versions=(15 17 18)
+
+# Debian suite that ships each PostgreSQL major version.
+suite_of() {
+	case "$1" in
+	17) echo trixie ;;
+	18) echo sid ;;
+	*) return 1 ;;
+	esac
+}
+
+# Packages a chroot needs: the server and headers of one version, and what
+# test/deps.sh installs on the host for the suites and the demo.
+packages_of() {
+	echo "postgresql-$1 postgresql-server-dev-$1 libpq-dev libipc-run-perl" \
+		"pgbouncer make gcc libc6-dev perl"
+}
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "test/matrix.sh needs root (debootstrap, chroot, mount)" >&2
+	exit 2
+fi
+for v in "${versions[@]}"; do
+	if [ "$v" != "$host_version" ] && ! suite_of "$v" >/dev/null; then
+		echo "no Debian suite known for PostgreSQL $v" >&2
+		exit 2
+	fi
+done
+
+# The host's Debian mirror: the first non-security URI apt is configured with.
+mirror() {
+	local m=""
+	if [ -r /etc/apt/sources.list.d/debian.sources ]; then
+		m=$(awk '$1 == "URIs:" && $2 !~ /security/ { print $2; exit }' \
+			/etc/apt/sources.list.d/debian.sources)
+	fi
+	if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
+		m=$(awk '$1 == "deb" && $0 !~ /security/ {
+				for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
+			/etc/apt/sources.list)
+	fi
+	[ -n "$m" ] || return 1
+	echo "$m"
+}
+
+# Mounts made by this run, undone in reverse order on exit.
+mounts=()
+chroots=()
+
+# Stop every process whose root directory is the chroot $1 (servers a
+# failed test left behind); they hold the chroot's mounts busy.
+kill_chroot_processes() {
+	local root=$1 sig p pid left
+	for sig in TERM KILL; do
+		left=0
+		for p in /proc/[0-9]*; do
+			[ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] || continue
+			pid=${p#/proc/}
+			kill -s "$sig" "$pid" 2>/dev/null && left=1
+		done
+		[ "$left" -eq 0 ] && return 0
+		sleep 2
+	done
+}
+
+# The command running for the current version, in a process group of its
+# own, so that an interrupted run can stop it with all its children.
+child=""
+
+# Run a command in its own process group and wait for it; unlike a command
+# in the foreground, the wait ends as soon as this script gets a signal.
+run_child() {
+	local rc
+	setsid "$@" &
+	child=$!
+	wait "$child"
+	rc=$?
+	child=""
+	return $rc
+}
+
+cleanup() {
+	local i
+	if [ -n "$child" ]; then
+		kill -TERM -- "-$child" 2>/dev/null && sleep 2
+		kill -KILL -- "-$child" 2>/dev/null
+	fi
+	for i in "${chroots[@]}"; do
+		kill_chroot_processes "$i"
+	done
+	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+		umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" 2>/dev/null ||
+			echo "could not unmount ${mounts[$i]}" >&2
+	done
+	mounts=()
+	chroots=()
+	[ -n "${snapshot:-}" ] && rm -f "$snapshot"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Mount $1 with the options that follow, private so that nothing mounted
+# below it can propagate back to the host's own mount of the same source.
+mount_in() {
+	local target=$1
+	shift
+	mount "$@" "$target" || return 1
+	mounts+=("$target")
+	mount --make-private "$target"
+}
+
+# Mount what servers and tests need inside the chroot $1.
+mount_chroot() {
+	local root=$1
+	chroots+=("$root")
+	mount_in "$root/proc" -t proc proc &&
+		mount_in "$root/dev" --bind /dev &&
+		mount_in "$root/dev/pts" --bind /dev/pts &&
+		mount_in "$root/dev/shm" -t tmpfs -o mode=1777 shm
+}
+
+unmount_chroot() {
+	local root=$1 i keep=()
+	kill_chroot_processes "$root"
+	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+		case "${mounts[$i]}" in
+		"$root"/*) umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" ;;
+		esac
+	done
+	for i in "${mounts[@]}"; do
+		case "$i" in "$root"/*) ;; *) keep+=("$i") ;; esac
+	done
+	mounts=("${keep[@]+"${keep[@]}"}")
+}
+
+# Nothing may be mounted below a directory before it is deleted.
+mounted_below() {
+	awk -v p="$1/" 'index($2, p) == 1 { found = 1 } END { exit !found }' /proc/mounts
+}
+
+# Build the chroot for version $1 in $2, unless a complete one is cached.
+prepare_chroot() {
+	local v=$1 root=$2 suite pkgs marker m
+	suite=$(suite_of "$v")
+	pkgs=$(packages_of "$v")
+	marker=$root/.idem-matrix-ready
+	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$suite: $pkgs" ]; then
+		echo "reusing the $suite chroot in $root"
+		return 0
+	fi
+	if mounted_below "$root"; then
+		echo "$root has mounts below it; not deleting it" >&2
+		return 1
+	fi
+	m=$(mirror) || { echo "no Debian mirror configured in /etc/apt" >&2; return 1; }
+	command -v debootstrap >/dev/null || {
+		apt-get update -qq &&
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null ||
+			return 1
+	}
+	echo "preparing a $suite chroot in $root"
+	rm -rf "$root"
+	mkdir -p "$root"
+	debootstrap --variant=minbase "$suite" "$root" "$m" || return 1
+	# The mirror may be a dated snapshot whose Release files are past their
+	# Valid-Until; apt in the chroot accepts them.
+	echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idem-matrix"
+	# No service starts inside the chroot, and no default cluster is made.
+	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+	chmod 755 "$root/usr/sbin/policy-rc.d"
+	mkdir -p "$root/etc/postgresql-common"
+	echo "create_main_cluster = false" >"$root/etc/postgresql-common/createcluster.conf"
+	mount_chroot "$root" || return 1
+	# shellcheck disable=SC2086
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 sh -c "
+		apt-get update -qq &&
+		apt-get install -y -qq --no-install-recommends \
+			-o Dpkg::Options::=--force-confold $pkgs >/dev/null &&
+		apt-get clean" || { unmount_chroot "$root"; return 1; }
+	unmount_chroot "$root"
+	echo "$suite: $pkgs" >"$marker"
+}
+
+# The tree as it is now, without build products and test output.
+snapshot=$(mktemp /tmp/idem-matrix-src.XXXXXX.tar)
+tar -C "$top" --exclude=./.git --exclude='*.o' --exclude='*.bc' --exclude='*.so' \
+	--exclude='*.a' --exclude=./tmp_check --exclude=./tmp_check_iso \
+	--exclude=./test/output --exclude=./test/output-matrix \
+	--exclude=./test/bench/out --exclude=./test/guard/guard_test \
+	--exclude=./test/demo/idem_demo -cf "$snapshot" . || exit 1
+
+# What runs for version $1 inside its tree: the suites, then the demo.  It
+# first checks that pg_config is the one of that version.
+suite_cmd() {
+	echo "pg_config --version | grep -q '^PostgreSQL $1\.' ||
+		{ echo \"pg_config is not PostgreSQL $1: \$(pg_config --version)\"; exit 1; }
+	pg_config --version
+	rc=0
+	sh test/run.sh || rc=1
+	echo '== demo'
+	sh test/demo.sh || rc=1
+	exit \$rc"
+}
+
+# Run the suites for version $1 on the host; output goes to stdout.
+run_host() {
+	local work rc
+	sh "$top/test/deps.sh" || return 1
+	work=$(mktemp -d /tmp/idem-matrix-host.XXXXXX)
+	tar -C "$work" -xf "$snapshot"
+	cd "$work" && run_child sh -c "$(suite_cmd "$1")"
+	rc=$?
+	cd "$top"
+	rm -rf "$logdir/pg$1"
+	[ -d "$work/test/output" ] && cp -a "$work/test/output" "$logdir/pg$1"
+	rm -rf "$work"
+	return $rc
+}
+
+# Run the suites for version $1 in the chroot $2; output goes to stdout.
+run_chroot() {
+	local v=$1 root=$2 rc
+	mount_chroot "$root" || return 1
+	# An interrupted earlier run may have left its work trees behind.
+	rm -rf "$root/build" "$root"/tmp/idem-*
+	mkdir -p "$root/build/idem"
+	tar -C "$root/build/idem" -xf "$snapshot"
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		HOME=/root LANG=C.UTF-8 PG_CONFIG="/usr/lib/postgresql/$v/bin/pg_config" \
+		sh -c "cd /build/idem && $(suite_cmd "$v")"
+	rc=$?
+	unmount_chroot "$root"
+	rm -rf "$logdir/pg$v"
+	[ -d "$root/build/idem/test/output" ] &&
+		cp -a "$root/build/idem/test/output" "$logdir/pg$v"
+	return $rc
+}
+
+mkdir -p "$logdir"
+if [ "$prepare_only" -eq 1 ]; then
+	rc=0
+	for v in "${versions[@]}"; do
+		[ "$v" = "$host_version" ] && continue
+		start=$SECONDS
+		prepare_chroot "$v" "$cache/$(suite_of "$v")" || rc=1
+		echo "PostgreSQL $v: chroot preparation took $((SECONDS - start))s"
+	done
+	exit $rc
+fi
+summary=()
+failed=0
+matrix_start=$SECONDS
+for v in "${versions[@]}"; do
+	log=$logdir/pg$v.log
+	prep=0
+	where="host"
+	start=$SECONDS
+	rc=0
+	if [ "$v" = "$host_version" ]; then
+		echo "=== PostgreSQL $v on the host"
+		run_host "$v" >"$log" 2>&1 || rc=$?
+	else
+		suite=$(suite_of "$v")
+		where="$suite chroot"
+		root=$cache/$suite
+		echo "=== PostgreSQL $v in a $where"
+		if prepare_chroot "$v" "$root" >"$logdir/pg$v-prepare.log" 2>&1; then
+			prep=$((SECONDS - start))
+			start=$SECONDS
+			run_chroot "$v" "$root" >"$log" 2>&1 || rc=$?
+		else
+			prep=$((SECONDS - start))
+			start=$SECONDS
+			rc=1
+			echo "preparing the chroot failed, see $logdir/pg$v-prepare.log" >"$log"
+		fi
+	fi
+	took=$((SECONDS - start))
+	counts=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$log" | tail -1)
+	[ -n "$counts" ] || counts="no test results (build or install failed?)"
+	if [ "$rc" -eq 0 ]; then
+		status=PASS
+	else
+		status=FAIL
+		failed=$((failed + 1))
+		tail -n 40 "$log"
+	fi
+	line=$(printf 'PostgreSQL %s (%s): %s, %s; prepare %ds, test %ds' \
+		"$v" "$where" "$status" "$counts" "$prep" "$took")
+	echo "$line"
+	summary+=("$line")
+done
+
+echo "=== matrix summary ($((SECONDS - matrix_start))s)"
+printf '%s\n' "${summary[@]}"
+[ "$failed" -eq 0 ]
