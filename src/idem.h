@@ -48,10 +48,10 @@ extern text *idem_arg_text(FunctionCallInfo fcinfo, int argno,
 extern void idem_check_key(text *key, const char *argname,
 						   bool allow_empty);
 
-/* purge.c */
 /* sha256.c */
 extern void idem_sha256(const uint8 *data, size_t len, uint8 *out);
 
+/* purge.c */
 extern int64 idem_purge_batch(TimestampTz now, int limit);
 
 #endif							/* IDEM_H */

@@ -10,15 +10,30 @@
  * that need no change (replay, conflict, a live lease) come from a plain
  * read without taking a lock.
  *
+ * Reads, row locks, updates and deletes go straight to the heap and the
+ * primary key, as execReplication.c does for logical replication: a key
+ * is found through its primary key with the statement's snapshot, locked
+ * as SELECT ... FOR UPDATE locks it (the latest version in READ COMMITTED,
+ * a serialization failure in REPEATABLE READ and SERIALIZABLE), and
+ * changed by heap_update, which keeps storing a response a HOT update.
+ * This needs no executor start-up per call and no plan, so no plan made
+ * while the table was empty can turn a key lookup into a sequential scan.
+ * Only the INSERT of a new key goes through SPI, for ON CONFLICT's
+ * speculative insertion.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
 #include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
+#include "catalog/index.h"
 #include "catalog/pg_type.h"
+#include "commands/sequence.h"
 #include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
@@ -43,12 +58,10 @@ PG_FUNCTION_INFO_V1(idem_extend);
 /* Bound on read/lock/insert rounds of one claim; each round makes progress. */
 #define IDEM_MAX_CLAIM_ROUNDS	100
 
-#define KEY_COLUMNS \
-	"SELECT fingerprint, token, status, body, lease_until, expires_at, xmin, ctid" \
-	" FROM idem.keys" \
-	" WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2"
-
 /* Columns of idem.keys, as created by sql/idem--1.0.sql. */
+#define Natts_keys				8
+#define Anum_keys_scope			1
+#define Anum_keys_key			2
 #define Anum_keys_fingerprint	3
 #define Anum_keys_token			4
 #define Anum_keys_status		5
@@ -56,59 +69,16 @@ PG_FUNCTION_INFO_V1(idem_extend);
 #define Anum_keys_lease_until	7
 #define Anum_keys_expires_at	8
 
-#define NEXT_TOKEN \
-	"pg_catalog.nextval('idem.token_seq'::pg_catalog.regclass)"
-
-static IdemPlanDef plan_lock = {
-	KEY_COLUMNS " FOR UPDATE", 2, {TEXTOID, TEXTOID}
-};
-
-static IdemPlanDef plan_lock_nowait = {
-	KEY_COLUMNS " FOR UPDATE SKIP LOCKED", 2, {TEXTOID, TEXTOID}
-};
-
 static IdemPlanDef plan_insert = {
 	"INSERT INTO idem.keys"
 	" (scope, key, fingerprint, token, lease_until, expires_at)"
-	" VALUES ($1, $2, $3, " NEXT_TOKEN ", $4, $5)"
+	" VALUES ($1, $2, $3,"
+	" pg_catalog.nextval('idem.token_seq'::pg_catalog.regclass), $4, $5)"
 	" ON CONFLICT DO NOTHING RETURNING token",
 	5, {TEXTOID, TEXTOID, BYTEAOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
 };
 
-static IdemPlanDef plan_reclaim = {
-	"UPDATE idem.keys SET fingerprint = $2, token = " NEXT_TOKEN ","
-	" status = NULL, body = NULL, lease_until = $3, expires_at = $4"
-	" WHERE ctid OPERATOR(pg_catalog.=) $1 RETURNING token",
-	4, {TIDOID, BYTEAOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
-};
-
-#define HOLDER_MATCH \
-	" WHERE scope OPERATOR(pg_catalog.=) $1 AND key OPERATOR(pg_catalog.=) $2" \
-	" AND token OPERATOR(pg_catalog.=) $3 AND status IS NULL"
-
-static IdemPlanDef plan_complete = {
-	"UPDATE idem.keys SET status = $5, body = $6, lease_until = NULL,"
-	" expires_at = $7" HOLDER_MATCH
-	" AND expires_at OPERATOR(pg_catalog.>) $8"
-	" AND fingerprint OPERATOR(pg_catalog.=) $4 RETURNING expires_at",
-	8, {TEXTOID, TEXTOID, INT8OID, BYTEAOID, INT4OID, BYTEAOID,
-		TIMESTAMPTZOID, TIMESTAMPTZOID}
-};
-
-static IdemPlanDef plan_release = {
-	"DELETE FROM idem.keys" HOLDER_MATCH
-	" AND expires_at OPERATOR(pg_catalog.>) $4",
-	4, {TEXTOID, TEXTOID, INT8OID, TIMESTAMPTZOID}
-};
-
-static IdemPlanDef plan_extend = {
-	"UPDATE idem.keys SET lease_until = $4,"
-	" expires_at = GREATEST(expires_at, $4)" HOLDER_MATCH
-	" AND expires_at OPERATOR(pg_catalog.>) $5 RETURNING lease_until",
-	5, {TEXTOID, TEXTOID, INT8OID, TIMESTAMPTZOID, TIMESTAMPTZOID}
-};
-
-/* One row of idem.keys as read by the KEY_COLUMNS statements. */
+/* One row of idem.keys as read, with the identity of its version. */
 typedef struct KeyRow
 {
 	bool		found;
@@ -177,72 +147,54 @@ fingerprint_digest(text *fingerprint)
 }
 
 /*
- * Fill *row from the columns fingerprint .. expires_at.  A body is copied
- * into body_cxt when given, else left pointing at the source.
+ * Fill *row from a slot holding a version of the key's row.  A body is
+ * copied into body_cxt when given, else left pointing into the slot.
  */
 static void
-set_row(KeyRow *row, Datum *values, bool *nulls, MemoryContext body_cxt)
+set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 {
-	bytea	   *fp = DatumGetByteaPP(values[0]);
+	bool		should_free;
+	HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+	Datum	   *values;
+	bool	   *nulls;
+	bytea	   *fp;
+
+	slot_getallattrs(slot);
+	values = slot->tts_values;
+	nulls = slot->tts_isnull;
 
 	row->found = true;
+	fp = DatumGetByteaPP(values[Anum_keys_fingerprint - 1]);
 	if (VARSIZE_ANY_EXHDR(fp) == IDEM_FINGERPRINT_LEN)
 		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
-	row->token = DatumGetInt64(values[1]);
-	row->done = !nulls[2];
-	row->status = nulls[2] ? 0 : DatumGetInt32(values[2]);
-	if (nulls[3])
+	row->token = DatumGetInt64(values[Anum_keys_token - 1]);
+	row->done = !nulls[Anum_keys_status - 1];
+	row->status = row->done ? DatumGetInt32(values[Anum_keys_status - 1]) : 0;
+	if (nulls[Anum_keys_body - 1])
 		row->body = NULL;
 	else if (body_cxt != NULL)
 	{
 		MemoryContext old = MemoryContextSwitchTo(body_cxt);
 
-		row->body = DatumGetByteaPCopy(values[3]);
+		row->body = DatumGetByteaPCopy(values[Anum_keys_body - 1]);
 		MemoryContextSwitchTo(old);
 	}
 	else
-		row->body = DatumGetByteaPP(values[3]);
-	row->has_lease = !nulls[4];
-	row->lease_until = nulls[4] ? 0 : DatumGetTimestampTz(values[4]);
-	row->expires_at = DatumGetTimestampTz(values[5]);
-}
-
-/* Read the first row a KEY_COLUMNS statement returned into *row. */
-static void
-fetch_row(uint64 nrows, KeyRow *row, MemoryContext body_cxt)
-{
-	HeapTuple	tuple;
-	TupleDesc	desc;
-	Datum		values[8];
-	bool		nulls[8];
-
-	memset(row, 0, sizeof(KeyRow));
-	if (nrows == 0)
-		return;
-
-	tuple = SPI_tuptable->vals[0];
-	desc = SPI_tuptable->tupdesc;
-	heap_deform_tuple(tuple, desc, values, nulls);
-	set_row(row, values, nulls, body_cxt);
-	row->xmin = DatumGetTransactionId(values[6]);
-	row->ctid = *(ItemPointer) DatumGetPointer(values[7]);
-}
-
-/* Read the key's row locked (FOR UPDATE, waiting or skipping) into *row. */
-static void
-read_key(IdemPlanDef *def, text *scope, text *key, KeyRow *row,
-		 MemoryContext body_cxt)
-{
-	Datum		values[2];
-
-	values[0] = PointerGetDatum(scope);
-	values[1] = PointerGetDatum(key);
-	fetch_row(idem_spi_run(def, values, NULL), row, body_cxt);
+		row->body = DatumGetByteaPP(values[Anum_keys_body - 1]);
+	row->has_lease = !nulls[Anum_keys_lease_until - 1];
+	row->lease_until = row->has_lease ?
+		DatumGetTimestampTz(values[Anum_keys_lease_until - 1]) : 0;
+	row->expires_at = DatumGetTimestampTz(values[Anum_keys_expires_at - 1]);
+	row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+	row->ctid = tuple->t_self;
+	if (should_free)
+		heap_freetuple(tuple);
 }
 
 /* An index scan of idem.keys' primary key for one (scope, key). */
 typedef struct KeyScan
 {
+	LOCKMODE	lockmode;
 	Relation	rel;
 	Relation	idx;
 	IndexScanDesc scan;
@@ -250,12 +202,14 @@ typedef struct KeyScan
 } KeyScan;
 
 static void
-key_scan_begin(KeyScan *ks, text *scope, text *key, Snapshot snapshot)
+key_scan_begin(KeyScan *ks, text *scope, text *key, Snapshot snapshot,
+			   LOCKMODE lockmode)
 {
 	ScanKeyData skey[2];
 
-	ks->rel = table_open(idem_keys_relid(), AccessShareLock);
-	ks->idx = index_open(idem_primary_key_index(ks->rel), AccessShareLock);
+	ks->lockmode = lockmode;
+	ks->rel = table_open(idem_keys_relid(), lockmode);
+	ks->idx = index_open(idem_primary_key_index(ks->rel), lockmode);
 	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
 						   ks->idx->rd_indcollation[0], F_TEXTEQ,
 						   PointerGetDatum(scope));
@@ -272,8 +226,8 @@ key_scan_end(KeyScan *ks)
 {
 	index_endscan(ks->scan);
 	ExecDropSingleTupleTableSlot(ks->slot);
-	index_close(ks->idx, AccessShareLock);
-	table_close(ks->rel, AccessShareLock);
+	index_close(ks->idx, ks->lockmode);
+	table_close(ks->rel, ks->lockmode);
 }
 
 /*
@@ -291,21 +245,112 @@ read_key_unlocked(text *scope, text *key, KeyRow *row, MemoryContext body_cxt)
 
 	/* See this transaction's own earlier writes, as SPI would. */
 	CommandCounterIncrement();
-	key_scan_begin(&ks, scope, key, GetTransactionSnapshot());
+	key_scan_begin(&ks, scope, key, GetTransactionSnapshot(), AccessShareLock);
 	if (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
-	{
-		bool		should_free;
-		HeapTuple	tuple = ExecFetchSlotHeapTuple(ks.slot, false, &should_free);
-
-		slot_getallattrs(ks.slot);
-		set_row(row, &ks.slot->tts_values[Anum_keys_fingerprint - 1],
-				&ks.slot->tts_isnull[Anum_keys_fingerprint - 1], body_cxt);
-		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
-		row->ctid = tuple->t_self;
-		if (should_free)
-			heap_freetuple(tuple);
-	}
+		set_row(row, ks.slot, body_cxt);
 	key_scan_end(&ks);
+}
+
+typedef enum LockResult
+{
+	LOCK_NONE,					/* no live row */
+	LOCK_OK,					/* locked; *row is the locked version */
+	LOCK_BUSY					/* skip: locked by another transaction */
+} LockResult;
+
+/*
+ * Lock the key's row as SELECT ... FOR UPDATE [SKIP LOCKED] would, and read
+ * the locked version into *row.  Waits respect lock_timeout and take part
+ * in deadlock detection.  The slot (and the locked version's buffer) is
+ * kept in *ks for a following update_row or delete_row; the caller ends
+ * the scan.
+ */
+static LockResult
+lock_key(KeyScan *ks, text *scope, text *key, bool skip, KeyRow *row,
+		 MemoryContext body_cxt)
+{
+	Snapshot	snapshot;
+	ItemPointerData tid;
+	TM_FailureData tmfd;
+	TM_Result	result;
+
+	memset(row, 0, sizeof(KeyRow));
+	CommandCounterIncrement();
+	snapshot = GetTransactionSnapshot();
+	key_scan_begin(ks, scope, key, snapshot, RowExclusiveLock);
+	if (!index_getnext_slot(ks->scan, ForwardScanDirection, ks->slot))
+		return LOCK_NONE;
+
+	tid = ks->slot->tts_tid;
+	ExecClearTuple(ks->slot);
+	result = table_tuple_lock(ks->rel, &tid, snapshot, ks->slot,
+							  GetCurrentCommandId(true), LockTupleExclusive,
+							  skip ? LockWaitSkip : LockWaitBlock,
+							  IsolationUsesXactSnapshot() ? 0 :
+							  TUPLE_LOCK_FLAG_FIND_LAST_VERSION,
+							  &tmfd);
+	switch (result)
+	{
+		case TM_Ok:
+			set_row(row, ks->slot, body_cxt);
+			return LOCK_OK;
+		case TM_WouldBlock:
+			return LOCK_BUSY;
+		case TM_Updated:
+			if (IsolationUsesXactSnapshot())
+				ereport(ERROR,
+						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+						 errmsg("could not serialize access due to concurrent update")));
+			break;
+		case TM_Deleted:
+			if (IsolationUsesXactSnapshot())
+				ereport(ERROR,
+						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+						 errmsg("could not serialize access due to concurrent delete")));
+			return LOCK_NONE;
+		default:
+			break;
+	}
+	elog(ERROR, "unexpected table_tuple_lock status: %u", result);
+	pg_unreachable();
+}
+
+/*
+ * Replace the version of the key's row locked by lock_key with values:
+ * the row's columns, with the changes the caller made.
+ */
+static void
+update_row(KeyScan *ks, Datum *values, bool *nulls)
+{
+	HeapTuple	tuple = heap_form_tuple(RelationGetDescr(ks->rel), values, nulls);
+	ItemPointerData otid = ks->slot->tts_tid;
+	bool		index_new_version;
+
+#if PG_VERSION_NUM >= 160000
+	TU_UpdateIndexes update_indexes;
+
+	simple_heap_update(ks->rel, &otid, tuple, &update_indexes);
+	index_new_version = (update_indexes != TU_None);
+#else
+	simple_heap_update(ks->rel, &otid, tuple);
+	index_new_version = !HeapTupleIsHeapOnly(tuple);
+#endif
+
+	/* Not a HOT update: the primary key needs an entry for the new version. */
+	if (index_new_version)
+		index_insert(ks->idx, &values[Anum_keys_scope - 1],
+					 &nulls[Anum_keys_scope - 1], &tuple->t_self, ks->rel,
+					 UNIQUE_CHECK_YES, true, BuildIndexInfo(ks->idx));
+	heap_freetuple(tuple);
+}
+
+/* The locked row's columns, to change and pass to update_row. */
+static void
+row_values(KeyScan *ks, Datum *values, bool *nulls)
+{
+	slot_getallattrs(ks->slot);
+	memcpy(values, ks->slot->tts_values, sizeof(Datum) * Natts_keys);
+	memcpy(nulls, ks->slot->tts_isnull, sizeof(bool) * Natts_keys);
 }
 
 static bool
@@ -328,7 +373,7 @@ key_write_in_progress(text *scope, text *key)
 	bool		busy = false;
 
 	InitDirtySnapshot(snap);
-	key_scan_begin(&ks, scope, key, &snap);
+	key_scan_begin(&ks, scope, key, &snap, AccessShareLock);
 	while (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
 	{
 		if (TransactionIdIsValid(snap.xmin) || TransactionIdIsValid(snap.xmax))
@@ -356,37 +401,40 @@ set_claimed(ClaimResult *res, int64 token, TimestampTz lease_until,
 	res->expires_at = expires_at;
 }
 
-/* Give the locked row at ctid a new claim; returns the new token. */
+/* Give the locked row a new claim; returns the new token. */
 static int64
-reclaim_row(ItemPointer ctid, bytea *fingerprint, TimestampTz lease_until,
+reclaim_row(KeyScan *ks, bytea *fingerprint, TimestampTz lease_until,
 			TimestampTz expires_at)
 {
-	Datum		values[4];
-	bool		isnull;
+	Datum		values[Natts_keys];
+	bool		nulls[Natts_keys];
+	int64		token = nextval_internal(idem_token_seq_relid(), false);
 
-	values[0] = PointerGetDatum(ctid);
-	values[1] = PointerGetDatum(fingerprint);
-	values[2] = TimestampTzGetDatum(lease_until);
-	values[3] = TimestampTzGetDatum(expires_at);
-	if (idem_spi_run(&plan_reclaim, values, NULL) != 1)
-		elog(ERROR, "locked idem key row vanished");
-	return DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-									   SPI_tuptable->tupdesc, 1, &isnull));
+	row_values(ks, values, nulls);
+	values[Anum_keys_fingerprint - 1] = PointerGetDatum(fingerprint);
+	values[Anum_keys_token - 1] = Int64GetDatum(token);
+	nulls[Anum_keys_status - 1] = true;
+	nulls[Anum_keys_body - 1] = true;
+	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(lease_until);
+	nulls[Anum_keys_lease_until - 1] = false;
+	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(expires_at);
+	update_row(ks, values, nulls);
+	return token;
 }
 
 /*
- * Answer a claim from an existing row.  Returns false if the answer needs
- * the row locked and it is not (locked == false).
+ * Answer a claim from an existing row.  ks holds the row locked, or is
+ * NULL for an unlocked read; returns false if the answer needs the lock.
  */
 static bool
-decide(ClaimArgs *args, KeyRow *row, bool locked, ClaimResult *res)
+decide(ClaimArgs *args, KeyRow *row, KeyScan *ks, ClaimResult *res)
 {
 	if (row->expires_at <= args->now)
 	{
 		/* The window is over: the key is new again. */
-		if (!locked)
+		if (ks == NULL)
 			return false;
-		set_claimed(res, reclaim_row(&row->ctid, args->fingerprint,
+		set_claimed(res, reclaim_row(ks, args->fingerprint,
 									 args->lease_until, args->expires_at),
 					args->lease_until, args->expires_at);
 		idem_stats_count(IDEM_STAT_CLAIMS);
@@ -432,12 +480,12 @@ decide(ClaimArgs *args, KeyRow *row, bool locked, ClaimResult *res)
 	}
 
 	/* The holder's lease is over: take the key over with a new token. */
-	if (!locked)
+	if (ks == NULL)
 		return false;
 	{
 		TimestampTz expires_at = Max(row->expires_at, args->lease_until);
 
-		set_claimed(res, reclaim_row(&row->ctid, args->fingerprint,
+		set_claimed(res, reclaim_row(ks, args->fingerprint,
 									 args->lease_until, expires_at),
 					args->lease_until, expires_at);
 	}
@@ -465,7 +513,7 @@ claim_key(ClaimArgs *args, ClaimResult *res)
 		read_key_unlocked(args->scope, args->key, &row, args->result_cxt);
 		if (row.found)
 		{
-			if (decide(args, &row, false, res))
+			if (decide(args, &row, NULL, res))
 				return;
 		}
 		else
@@ -497,18 +545,18 @@ claim_key(ClaimArgs *args, ClaimResult *res)
 			continue;
 		}
 
-		read_key(args->wait ? &plan_lock : &plan_lock_nowait,
-				 args->scope, args->key, &row, args->result_cxt);
-		if (row.found)
 		{
-			decide(args, &row, true, res);
-			return;
-		}
-		if (!args->wait)
-		{
-			/* Locked by another transaction. */
-			set_in_flight(res);
-			return;
+			KeyScan		ks;
+			LockResult	locked = lock_key(&ks, args->scope, args->key,
+										  !args->wait, &row, args->result_cxt);
+
+			if (locked == LOCK_OK)
+				decide(args, &row, &ks, res);
+			else if (locked == LOCK_BUSY)
+				set_in_flight(res);
+			key_scan_end(&ks);
+			if (locked != LOCK_NONE)
+				return;
 		}
 		/* Deleted while we waited for it (purge or release): start over. */
 	}
@@ -623,64 +671,73 @@ idem_begin(PG_FUNCTION_ARGS)
 }
 
 /*
- * Raise the error that says why a write by the holder of token (if
- * has_token) was refused, given the key's locked row.
+ * Check that the holder of token may write the key's locked row; has_token
+ * is false when no token was given and this transaction does not hold the
+ * claim.  Raises the error that explains a refusal.  Returns false for a
+ * completed row of the same holder, which the caller accepts or refuses.
  */
-static void
-refuse_write(KeyRow *row, text *key, bytea *fingerprint, bool has_token,
-			 int64 token, TimestampTz now)
+static bool
+holder_may_write(KeyRow *row, text *key, bytea *fingerprint, bool has_token,
+				 int64 token, TimestampTz now)
 {
-	char	   *keystr = text_to_cstring(key);
-
 	if (!row->found || row->expires_at <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
-				 errmsg("idempotency key \"%s\" has no live claim", keystr),
+				 errmsg("idempotency key \"%s\" has no live claim",
+						text_to_cstring(key)),
 				 errdetail("The key does not exist or its retention window is over."),
 				 errhint("Claim it again with idem_begin.")));
 	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
 				 errmsg("idempotency key \"%s\" was claimed with a different fingerprint",
-						keystr)));
+						text_to_cstring(key))));
 	if (!has_token)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" is not claimed by this transaction",
-						keystr),
+						text_to_cstring(key)),
 				 errhint("Pass the token idem_begin returned.")));
 	if (row->token != token)
+	{
+		idem_stats_count(IDEM_STAT_SUPERSEDED);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
-				 errmsg("idempotency key \"%s\" is held by a newer claim", keystr),
+				 errmsg("idempotency key \"%s\" is held by a newer claim",
+						text_to_cstring(key)),
 				 errdetail("Token %lld was superseded after its lease ran out.",
 						   (long long) token)));
-	if (row->done)
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
-				 errmsg("idempotency key \"%s\" is already completed", keystr)));
-	elog(ERROR, "idempotency key \"%s\" refused a write in an unexpected state",
-		 keystr);
+	}
+	return !row->done;
 }
 
 /*
- * Resolve the token argument: given, or the claim this transaction holds.
- * Reads the key's row locked into *row when the token is not given.
+ * Lock the key's row for a write by the holder of the token argument at
+ * argno; a NULL token stands for the claim this transaction holds.  Sets
+ * *has_token and *token for holder_may_write.
  */
-static int64
-holder_token(FunctionCallInfo fcinfo, int argno, text *scope, text *key,
-			 bytea *fingerprint, TimestampTz now, KeyRow *row)
+static void
+lock_for_holder(FunctionCallInfo fcinfo, int argno, KeyScan *ks, text *scope,
+				text *key, KeyRow *row, bool *has_token, int64 *token)
 {
-	if (!PG_ARGISNULL(argno))
-		return PG_GETARG_INT64(argno);
+	lock_key(ks, scope, key, false, row, NULL);
+	*has_token = !PG_ARGISNULL(argno);
+	*token = *has_token ? PG_GETARG_INT64(argno) : 0;
+	if (!*has_token && row->found &&
+		TransactionIdIsCurrentTransactionId(row->xmin))
+	{
+		*has_token = true;
+		*token = row->token;
+	}
+}
 
-	read_key(&plan_lock, scope, key, row, NULL);
-	if (row->found && row->expires_at > now &&
-		TransactionIdIsCurrentTransactionId(row->xmin) &&
-		(fingerprint == NULL || same_fingerprint(row, fingerprint)))
-		return row->token;
-	refuse_write(row, key, fingerprint, false, 0, now);
-	pg_unreachable();
+static void
+already_completed(text *key, const char *how)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
+			 errmsg("idempotency key \"%s\" is already completed%s",
+					text_to_cstring(key), how)));
 }
 
 /*
@@ -695,17 +752,13 @@ idem_complete(PG_FUNCTION_ARGS)
 	bytea	   *body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
 	text	   *scope = scope_arg(fcinfo, 6);
 	int32		status;
+	bool		has_token;
 	int64		token;
 	TimestampTz now;
 	TimestampTz expires_at;
-	TimestampTz result = 0;
-	IdemSpi		spi;
+	KeyScan		ks;
 	KeyRow		row;
-	Datum		values[8];
-	char		nulls[8];
-	bool		isnull;
 
-	memset(nulls, ' ', sizeof(nulls));
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
@@ -721,55 +774,37 @@ idem_complete(PG_FUNCTION_ARGS)
 	expires_at = idem_window_end(now, interval_arg(fcinfo, 5),
 								 idem_default_retention, "retention");
 
-	idem_spi_begin(&spi);
-	token = holder_token(fcinfo, 4, scope, key, fingerprint, now, &row);
-
-	values[0] = PointerGetDatum(scope);
-	values[1] = PointerGetDatum(key);
-	values[2] = Int64GetDatum(token);
-	values[3] = PointerGetDatum(fingerprint);
-	values[4] = Int32GetDatum(status);
-	values[5] = PointerGetDatum(body);
-	if (body == NULL)
-		nulls[5] = 'n';
-	values[6] = TimestampTzGetDatum(expires_at);
-	values[7] = TimestampTzGetDatum(now);
-	if (idem_spi_run(&plan_complete, values, nulls) == 1)
+	lock_for_holder(fcinfo, 4, &ks, scope, key, &row, &has_token, &token);
+	if (holder_may_write(&row, key, fingerprint, has_token, token, now))
 	{
-		result = DatumGetTimestampTz(SPI_getbinval(SPI_tuptable->vals[0],
-												   SPI_tuptable->tupdesc,
-												   1, &isnull));
+		Datum		values[Natts_keys];
+		bool		nulls[Natts_keys];
+
+		row_values(&ks, values, nulls);
+		values[Anum_keys_status - 1] = Int32GetDatum(status);
+		nulls[Anum_keys_status - 1] = false;
+		values[Anum_keys_body - 1] = PointerGetDatum(body);
+		nulls[Anum_keys_body - 1] = (body == NULL);
+		nulls[Anum_keys_lease_until - 1] = true;
+		values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(expires_at);
+		update_row(&ks, values, nulls);
 		idem_stats_count(IDEM_STAT_COMPLETES);
 	}
-	else
+	else if (row.status == status &&
+			 ((body == NULL && row.body == NULL) ||
+			  (body != NULL && row.body != NULL &&
+			   VARSIZE_ANY_EXHDR(body) == VARSIZE_ANY_EXHDR(row.body) &&
+			   memcmp(VARDATA_ANY(body), VARDATA_ANY(row.body),
+					  VARSIZE_ANY_EXHDR(body)) == 0)))
 	{
-		/* Refused; a repeat of the stored response is accepted as is. */
-		read_key(&plan_lock, scope, key, &row, NULL);
-		if (row.found && row.expires_at > now && row.done &&
-			row.token == token && same_fingerprint(&row, fingerprint) &&
-			row.status == status &&
-			((body == NULL && row.body == NULL) ||
-			 (body != NULL && row.body != NULL &&
-			  VARSIZE_ANY_EXHDR(body) == VARSIZE_ANY_EXHDR(row.body) &&
-			  memcmp(VARDATA_ANY(body), VARDATA_ANY(row.body),
-					 VARSIZE_ANY_EXHDR(body)) == 0)))
-			result = row.expires_at;
-		else
-		{
-			if (row.found && row.token != token)
-				idem_stats_count(IDEM_STAT_SUPERSEDED);
-			if (row.found && row.done && row.token == token &&
-				row.expires_at > now && same_fingerprint(&row, fingerprint))
-				ereport(ERROR,
-						(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
-						 errmsg("idempotency key \"%s\" is already completed with a different response",
-								text_to_cstring(key))));
-			refuse_write(&row, key, fingerprint, true, token, now);
-		}
+		/* A repeat of the stored response: accepted as is. */
+		expires_at = row.expires_at;
 	}
-	idem_spi_end(&spi);
+	else
+		already_completed(key, " with a different response");
+	key_scan_end(&ks);
 
-	PG_RETURN_TIMESTAMPTZ(result);
+	PG_RETURN_TIMESTAMPTZ(expires_at);
 }
 
 /*
@@ -782,42 +817,24 @@ idem_release(PG_FUNCTION_ARGS)
 	text	   *key = key_arg(fcinfo, 0);
 	text	   *scope = scope_arg(fcinfo, 2);
 	TimestampTz now = idem_now();
-	IdemSpi		spi;
-	KeyRow		row;
+	bool		has_token;
 	int64		token;
-	Datum		values[4];
-	bool		released;
+	KeyScan		ks;
+	KeyRow		row;
+	bool		released = false;
 
-	idem_spi_begin(&spi);
-	if (PG_ARGISNULL(1))
+	lock_for_holder(fcinfo, 1, &ks, scope, key, &row, &has_token, &token);
+	if (row.found && row.expires_at > now)
 	{
-		read_key(&plan_lock, scope, key, &row, NULL);
-		if (!row.found || row.expires_at <= now)
-		{
-			idem_spi_end(&spi);
-			PG_RETURN_BOOL(false);
-		}
-	}
-	token = holder_token(fcinfo, 1, scope, key, NULL, now, &row);
+		ItemPointerData tid = ks.slot->tts_tid;
 
-	values[0] = PointerGetDatum(scope);
-	values[1] = PointerGetDatum(key);
-	values[2] = Int64GetDatum(token);
-	values[3] = TimestampTzGetDatum(now);
-	released = idem_spi_run(&plan_release, values, NULL) == 1;
-	if (released)
+		if (!holder_may_write(&row, key, NULL, has_token, token, now))
+			already_completed(key, "");
+		simple_heap_delete(ks.rel, &tid);
 		idem_stats_count(IDEM_STAT_RELEASES);
-	else
-	{
-		read_key(&plan_lock, scope, key, &row, NULL);
-		if (row.found && row.expires_at > now)
-		{
-			if (row.token != token)
-				idem_stats_count(IDEM_STAT_SUPERSEDED);
-			refuse_write(&row, key, NULL, true, token, now);
-		}
+		released = true;
 	}
-	idem_spi_end(&spi);
+	key_scan_end(&ks);
 
 	PG_RETURN_BOOL(released);
 }
@@ -834,27 +851,23 @@ idem_extend(PG_FUNCTION_ARGS)
 	TimestampTz now = idem_now();
 	TimestampTz lease_until = idem_window_end(now, interval_arg(fcinfo, 2),
 											  idem_default_lease, "lease");
-	IdemSpi		spi;
-	KeyRow		row;
+	bool		has_token;
 	int64		token;
-	Datum		values[5];
+	KeyScan		ks;
+	KeyRow		row;
+	Datum		values[Natts_keys];
+	bool		nulls[Natts_keys];
 
-	idem_spi_begin(&spi);
-	token = holder_token(fcinfo, 1, scope, key, NULL, now, &row);
-
-	values[0] = PointerGetDatum(scope);
-	values[1] = PointerGetDatum(key);
-	values[2] = Int64GetDatum(token);
-	values[3] = TimestampTzGetDatum(lease_until);
-	values[4] = TimestampTzGetDatum(now);
-	if (idem_spi_run(&plan_extend, values, NULL) != 1)
-	{
-		read_key(&plan_lock, scope, key, &row, NULL);
-		if (row.found && row.token != token)
-			idem_stats_count(IDEM_STAT_SUPERSEDED);
-		refuse_write(&row, key, NULL, true, token, now);
-	}
-	idem_spi_end(&spi);
+	lock_for_holder(fcinfo, 1, &ks, scope, key, &row, &has_token, &token);
+	if (!holder_may_write(&row, key, NULL, has_token, token, now))
+		already_completed(key, "");
+	row_values(&ks, values, nulls);
+	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(lease_until);
+	nulls[Anum_keys_lease_until - 1] = false;
+	values[Anum_keys_expires_at - 1] =
+		TimestampTzGetDatum(Max(row.expires_at, lease_until));
+	update_row(&ks, values, nulls);
+	key_scan_end(&ks);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);
 }

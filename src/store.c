@@ -26,13 +26,14 @@
 
 static Oid	keys_relid = InvalidOid;
 static Oid	keys_owner = InvalidOid;
+static Oid	token_seq_relid = InvalidOid;
 static bool keys_callback_registered = false;
 
 /* Forget the cached table identity when the table changes or goes. */
 static void
 keys_relcache_callback(Datum arg, Oid relid)
 {
-	if (relid == InvalidOid || relid == keys_relid)
+	if (relid == InvalidOid || relid == keys_relid || relid == token_seq_relid)
 		keys_relid = InvalidOid;
 }
 
@@ -54,7 +55,9 @@ idem_keys_relid(void)
 
 	nspid = get_namespace_oid("idem", true);
 	keys_relid = OidIsValid(nspid) ? get_relname_relid("keys", nspid) : InvalidOid;
-	if (!OidIsValid(keys_relid))
+	token_seq_relid = OidIsValid(nspid) ?
+		get_relname_relid("token_seq", nspid) : InvalidOid;
+	if (!OidIsValid(keys_relid) || !OidIsValid(token_seq_relid))
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
 				 errmsg("extension \"idem\" is not installed in this database"),
@@ -67,6 +70,14 @@ idem_keys_relid(void)
 	ReleaseSysCache(tuple);
 
 	return keys_relid;
+}
+
+/* OID of idem.token_seq, the sequence of fencing tokens. */
+Oid
+idem_token_seq_relid(void)
+{
+	(void) idem_keys_relid();
+	return token_seq_relid;
 }
 
 /* Connect to SPI and act as the key table's owner until idem_spi_end. */

@@ -31,6 +31,7 @@ typedef struct IdemSpi
 } IdemSpi;
 
 extern Oid	idem_keys_relid(void);
+extern Oid	idem_token_seq_relid(void);
 extern void idem_spi_begin(IdemSpi *spi);
 extern void idem_spi_end(IdemSpi *spi);
 extern uint64 idem_spi_run(IdemPlanDef *def, Datum *values, const char *nulls);
