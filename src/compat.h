@@ -4,11 +4,14 @@
  *	  Differences between the PostgreSQL major versions idem builds against
  *	  (15 to 18), so that the rest of the code reads the same on each.
  *
- *	  Other version differences, kept where they are used:
+ *	  A difference that matters at one place only stays there, as an
+ *	  inline #if PG_VERSION_NUM (grep for PG_VERSION_NUM under src):
  *	  - src/worker.c, launcher_wait_event(): custom wait event names for
  *		extensions (WaitEventExtensionNew) from 17 on.
- *	  - src/worker.c: PGDLLEXPORT on the background worker entry points,
- *		needed from 16 on, where symbols are hidden by default.
+ *	  - src/keys.c, update_row(): simple_heap_update reports which indexes
+ *		need a new entry from 16 on.
+ *	  The background worker entry points in src/worker.c are PGDLLEXPORT:
+ *	  from 16 on, symbols are hidden unless exported.
  *
  *-------------------------------------------------------------------------
  */
