@@ -8,12 +8,13 @@
 
 EXTENSION = idem
 MODULE_big = idem
-OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/sha256.o src/stats.o src/worker.o
-DATA = sql/idem--1.0.sql
+OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/sha256.o src/stats.o src/worker.o \
+	src/inspect.o
+DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
 REGRESS = setup begin fingerprint complete lease release_extend savepoint purge bad_input \
-	settings go_scenarios interface
+	settings go_scenarios interface inspect security upgrade
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
 	--outputdir=test/output/regress
 

@@ -15,15 +15,15 @@ SELECT p.oid::regprocedure AS function, p.proisstrict AS strict, p.provolatile A
 -- The key table, in the extension's own schema.
 \d idem.keys
 
--- The table, its token sequence and the stats view belong to the extension.
+-- The table, its token sequence and the two views belong to the extension.
 SELECT pg_describe_object(d.classid, d.objid, d.objsubid) AS member
   FROM pg_depend d
   JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'idem'
  WHERE d.deptype = 'e' AND d.classid <> 'pg_proc'::regclass
  ORDER BY 1;
 
--- PUBLIC has no privilege on the schema, the table or the sequence, and
--- may not purge or reset the counters; it may call the other functions.
+-- PUBLIC has no privilege on the schema, the table, the sequence, the
+-- views or any function (README, "Security"; more in security.sql).
 CREATE ROLE regress_idem_app;
 SELECT has_schema_privilege('regress_idem_app', 'idem', 'USAGE') AS schema_usage,
        has_schema_privilege('regress_idem_app', 'idem', 'CREATE') AS schema_create;
@@ -38,11 +38,21 @@ SELECT f AS function, has_function_privilege('regress_idem_app', f, 'EXECUTE') A
                     'idem_release(text,bigint,text)',
                     'idem_extend(text,bigint,interval,text)',
                     'idem_purge(integer)',
+                    'idem_lookup(text,text)',
                     'idem_stats()',
                     'idem_stats_reset()']) f;
+SELECT v AS view, has_table_privilege('regress_idem_app', v, 'SELECT') AS "select"
+  FROM unnest(ARRAY['idem_keys', 'idem_stats']) v;
 
--- An application role with no grant on idem.keys claims and completes
--- keys through the functions, but cannot read or write the table itself.
+-- An application role granted EXECUTE on the four claim functions, with
+-- no grant on idem.keys, claims and completes keys through the functions,
+-- but cannot read or write the table itself.
+GRANT EXECUTE ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_complete(text, text, integer, bytea, bigint, interval, text),
+  idem_release(text, bigint, text),
+  idem_extend(text, bigint, interval, text)
+  TO regress_idem_app;
 SET ROLE regress_idem_app;
 SELECT claimed, state, token AS tok FROM idem_begin('i-app', 'fp') \gset
 \echo :claimed :state
@@ -55,6 +65,7 @@ SELECT try($$SELECT nextval('idem.token_seq')$$);
 SELECT try($$SELECT idem_purge()$$);
 RESET ROLE;
 SELECT key, status FROM idem.keys WHERE key = 'i-app';
+DROP OWNED BY regress_idem_app;
 DROP ROLE regress_idem_app;
 
 -- The caller's search_path does not change what the functions do.

@@ -1,0 +1,170 @@
+--
+-- Versions: keys stored under 1.0 survive ALTER EXTENSION idem UPDATE, and
+-- CREATE EXTENSION idem gives the same objects and privileges as installing
+-- 1.0 and updating.  Runs in databases of its own.
+--
+\set regress_db :DBNAME
+
+-- A template with helpers, so that each database below has them.
+CREATE DATABASE regress_idem_tpl;
+\c regress_idem_tpl
+CREATE FUNCTION try(q text) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+	EXECUTE q;
+	RETURN 'ok';
+EXCEPTION WHEN OTHERS THEN
+	RETURN SQLSTATE || ': ' || SQLERRM;
+END $$;
+-- Effective privileges of an object: "grantee:PRIVILEGE", * when
+-- grantable, with the object's owner shown as "owner".  MAINTAIN (a table
+-- privilege from PostgreSQL 17 on) is left out so that every version reads
+-- alike.
+CREATE FUNCTION acl_text(acl aclitem[], objtype "char", owner oid) RETURNS text
+LANGUAGE sql AS $$
+	SELECT string_agg(CASE WHEN a.grantee = 0 THEN 'PUBLIC'
+						   WHEN a.grantee = owner THEN 'owner'
+						   ELSE a.grantee::regrole::text END
+					  || ':' || a.privilege_type
+					  || CASE WHEN a.is_grantable THEN '*' ELSE '' END,
+					  ' ' ORDER BY 1)
+	  FROM aclexplode(coalesce(acl, acldefault(objtype, owner))) a
+	 WHERE a.privilege_type <> 'MAINTAIN'
+$$;
+-- Every object of the extension (row types aside): its privileges, its
+-- initial privileges as pg_dump compares them, and a description of its
+-- definition.
+CREATE FUNCTION ext_objects(OUT object text, OUT acl text, OUT init_acl text,
+							OUT definition text)
+RETURNS SETOF record LANGUAGE sql AS $$
+	SELECT pg_describe_object(d.classid, d.objid, 0),
+		   coalesce(acl_text(p.proacl, 'f', p.proowner),
+					acl_text(c.relacl, CASE c.relkind WHEN 'S' THEN 's' ELSE 'r' END::"char",
+							 c.relowner),
+					acl_text(n.nspacl, 'n', n.nspowner)),
+		   CASE WHEN i.initprivs IS NOT NULL
+				THEN acl_text(i.initprivs, 'r', coalesce(p.proowner, c.relowner, n.nspowner))
+		   END,
+		   concat_ws(' | ',
+					 pg_get_function_arguments(p.oid), pg_get_function_result(p.oid),
+					 p.provolatile, p.proparallel, p.prosecdef, p.proisstrict,
+					 p.prorows, p.proconfig::text, p.prosrc, p.probin,
+					 c.relkind, c.reloptions::text, pg_get_viewdef(c.oid),
+					 (SELECT string_agg(format('%s %s %s %s %s', a.attname,
+											   format_type(a.atttypid, a.atttypmod),
+											   a.attnotnull, a.attcollation::regcollation,
+											   pg_get_expr(ad.adbin, ad.adrelid)),
+										', ' ORDER BY a.attnum)
+						FROM pg_attribute a
+						LEFT JOIN pg_attrdef ad ON ad.adrelid = a.attrelid AND ad.adnum = a.attnum
+					   WHERE a.attrelid = c.oid AND a.attnum > 0 AND NOT a.attisdropped),
+					 (SELECT string_agg(pg_get_indexdef(x.indexrelid), ', ')
+						FROM pg_index x WHERE x.indrelid = c.oid),
+					 (SELECT format('%s %s %s %s %s', s.seqtypid::regtype, s.seqstart,
+									s.seqincrement, s.seqmax, s.seqcache)
+						FROM pg_sequence s WHERE s.seqrelid = c.oid))
+	  FROM pg_depend d
+	  JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'idem'
+	  LEFT JOIN pg_proc p ON d.classid = 'pg_proc'::regclass AND p.oid = d.objid
+	  LEFT JOIN pg_class c ON d.classid = 'pg_class'::regclass AND c.oid = d.objid
+	  LEFT JOIN pg_namespace n ON d.classid = 'pg_namespace'::regclass AND n.oid = d.objid
+	  LEFT JOIN pg_init_privs i ON i.classoid = d.classid AND i.objoid = d.objid AND i.objsubid = 0
+	 WHERE d.deptype = 'e' AND d.classid <> 'pg_type'::regclass
+	UNION ALL
+	SELECT 'pg_dump filter ' || c::regclass, NULL, NULL, f
+	  FROM pg_extension e, unnest(e.extconfig, e.extcondition) u(c, f)
+	 WHERE e.extname = 'idem'
+	ORDER BY 1
+$$;
+\c :regress_db
+CREATE DATABASE regress_idem_v10 TEMPLATE regress_idem_tpl;
+CREATE DATABASE regress_idem_v11 TEMPLATE regress_idem_tpl;
+CREATE ROLE regress_idem_upgrade_app;
+
+-- Version 1.0, with keys: a completed one, a claim in flight, a completed
+-- one in another scope, and a claim given up (its token was used).
+\c regress_idem_v10
+CREATE EXTENSION idem VERSION '1.0';
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+SELECT to_regprocedure('idem_lookup(text,text)') AS lookup, to_regclass('idem_keys') AS keys_view;
+SELECT token AS tok_done FROM idem_begin('u-done', 'fp-d', lease => '1 minute', retention => '2 hours') \gset
+SELECT idem_complete('u-done', 'fp-d', 201, '\x00c3a9ff'::bytea, :tok_done) IS NOT NULL AS completed;
+SELECT token AS tok_flight, lease_until AS lease_flight
+  FROM idem_begin('u-flight', 'fp-f', lease => '10 minutes', retention => '2 hours') \gset
+SELECT token AS tok_scoped FROM idem_begin('u-done', 'fp-d', scope => 'tenant-9') \gset
+SELECT idem_complete('u-done', 'fp-d', 409, 'other tenant', :tok_scoped, scope => 'tenant-9') IS NOT NULL AS completed;
+SELECT token AS tok_released FROM idem_begin('u-released', 'fp') \gset
+SELECT idem_release('u-released', :tok_released) AS released;
+SELECT :tok_done < :tok_flight AND :tok_flight < :tok_scoped AND :tok_scoped < :tok_released AS tokens_ascending;
+SELECT md5(string_agg(k::text, ',' ORDER BY scope, key)) AS rows_before FROM idem.keys k \gset
+-- Under 1.0 PUBLIC may call the claim functions; one application role was
+-- also granted idem_begin explicitly.
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
+  TO regress_idem_upgrade_app;
+SELECT has_function_privilege('public', 'idem_complete(text,text,integer,bytea,bigint,interval,text)', 'EXECUTE')
+  AS public_may_complete;
+
+-- The update.
+ALTER EXTENSION idem UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+
+-- The rows are untouched.
+SELECT md5(string_agg(k::text, ',' ORDER BY scope, key)) = :'rows_before' AS rows_unchanged
+  FROM idem.keys k;
+-- The completed keys replay their own responses, byte for byte.
+SELECT scope, claimed, state, token, status, body
+  FROM (VALUES (''), ('tenant-9')) s(scope),
+       LATERAL idem_begin('u-done', 'fp-d', scope => s.scope)
+ ORDER BY scope;
+SELECT claimed, state, token, status, body FROM idem_begin('u-done', 'fp-other');
+-- The claim made under 1.0 is still in flight, and its holder completes it
+-- with the token it got from 1.0.
+SELECT claimed, state, token, lease_until = :'lease_flight' AS same_lease
+  FROM idem_begin('u-flight', 'fp-f');
+SELECT idem_complete('u-flight', 'fp-f', 200, 'late', :tok_flight) IS NOT NULL AS completed;
+SELECT state, status, convert_from(body, 'UTF8') AS body FROM idem_begin('u-flight', 'fp-f');
+-- Tokens continue above every token 1.0 gave out, the released one too.
+SELECT claimed, token > :tok_released AS above_old_tokens
+  FROM idem_begin('u-new', 'fp');
+-- The new inspection function sees the old keys.
+SELECT state, token = :tok_done AS same_token, status, body_size
+  FROM idem_lookup('u-done');
+
+-- Privileges after the update: PUBLIC may call nothing; the explicit grant
+-- is kept, so the application role may claim but not complete until it is
+-- granted that too (README, "Operations").
+SELECT has_function_privilege('public', 'idem_complete(text,text,integer,bytea,bigint,interval,text)', 'EXECUTE')
+  AS public_may_complete;
+SET ROLE regress_idem_upgrade_app;
+SELECT claimed, state FROM idem_begin('u-app', 'fp');
+SELECT try($$SELECT idem_complete('u-app', 'fp', 200, 'x')$$);
+RESET ROLE;
+-- pg_dump dumps the difference between privileges and initial privileges:
+-- the grant made before the update is not an initial one, so a dump keeps
+-- it.
+SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
+REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
+  FROM regress_idem_upgrade_app;
+SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
+
+-- A fresh CREATE EXTENSION, which runs 1.0 and the update in one go.
+\c regress_idem_v11
+CREATE EXTENSION idem;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
+-- What pg_dump dumps of the extension's tables (README, "Operations").
+SELECT object, definition AS filter FROM ext_objects() WHERE acl IS NULL;
+SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) AS fresh
+  FROM ext_objects() \gset
+
+-- The updated database has the very same objects, privileges, initial
+-- privileges and definitions.
+\c regress_idem_v10
+SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
+       AS same_as_fresh
+  FROM ext_objects();
+
+\c :regress_db
+DROP DATABASE regress_idem_v10;
+DROP DATABASE regress_idem_v11;
+DROP DATABASE regress_idem_tpl;
+DROP ROLE regress_idem_upgrade_app;

@@ -1,0 +1,195 @@
+# pg_dump / pg_restore of a database using idem.  The dump keeps the keys
+# whose retention window is not over (DONE with their responses, and
+# committed PROCESSING claims), the token sequence and the grants made to
+# application roles; it leaves out expired keys and claims that were not
+# committed when the dump started.  After the restore, completed keys
+# replay, a claim's holder completes with its old token, and every new
+# token is greater than any token the source ever gave out.  The same holds
+# for a database that was created at 1.0 and updated to 1.1.
+use strict;
+use warnings;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use Test::More;
+
+my $node = PostgreSQL::Test::Cluster->new('dump');
+$node->init;
+$node->append_conf('postgresql.conf', qq{
+shared_preload_libraries = 'idem'
+idem.purge_enabled = off
+max_prepared_transactions = 5
+});
+$node->start;
+my $tmp = PostgreSQL::Test::Utils::tempdir;
+
+sub sql
+{
+	my ($db, $query) = @_;
+	return $node->safe_psql($db, $query);
+}
+
+my $app_functions = 'idem_begin(text,text,interval,interval,text,boolean), '
+  . 'idem_complete(text,text,integer,bytea,bigint,interval,text)';
+
+# Stores the keys every case below checks; returns the tokens by key.
+sub store_keys
+{
+	my ($db) = @_;
+	my %tok;
+	my $claim = sub {
+		my ($key, $extra) = @_;
+		$tok{$key} = sql($db,
+			"SELECT token FROM idem_begin('$key', 'fp'$extra)");
+		return $tok{$key};
+	};
+
+	# Completed keys, one with a binary body, one in a scope, one with a
+	# NULL body.
+	$claim->('done-bin', ", retention => '2 hours'");
+	sql($db, "SELECT idem_complete('done-bin', 'fp', 201, '\\x00ff0a'::bytea, $tok{'done-bin'}, retention => '2 hours')");
+	$claim->('done-scoped', ", scope => 't1'");
+	sql($db, "SELECT idem_complete('done-scoped', 'fp', 200, 'tenant one', $tok{'done-scoped'}, scope => 't1')");
+	$claim->('done-null', '');
+	sql($db, "SELECT idem_complete('done-null', 'fp', 204, NULL, $tok{'done-null'})");
+	# A committed claim in flight.
+	$claim->('flight', ", lease => '10 minutes', retention => '1 hour'");
+	# Keys whose window ended an hour ago, done and in flight.
+	sql($db, qq{
+		SET idem.clock_offset = '-3h';
+		SELECT idem_complete('expired-done', 'fp', 200, 'stale',
+			(SELECT token FROM idem_begin('expired-done', 'fp', retention => '2 hours')),
+			retention => '2 hours');
+		SELECT idem_begin('expired-flight', 'fp', retention => '2 hours');
+	});
+	# Tokens given out after the last stored one: claims given up.
+	for my $i (1 .. 5)
+	{
+		$claim->("released-$i", '');
+		sql($db, "SELECT idem_release('released-$i', $tok{\"released-$i\"})");
+	}
+	return %tok;
+}
+
+# The stored keys as one text, to compare source and restored rows.
+my $rows_sql = q{SELECT string_agg(format('%s/%s/%s/%s/%s/%s/%s/%s', scope, key,
+	encode(fingerprint, 'hex'), token, status, encode(body, 'hex'), lease_until,
+	expires_at), E'\n' ORDER BY scope, key) FROM idem.keys};
+
+# Dump $src in custom format and restore it into a new database $dst.
+sub dump_and_restore
+{
+	my ($src, $dst) = @_;
+	my $file = "$tmp/$src.dump";
+	$node->command_ok([ 'pg_dump', '-Fc', '-f', $file, '-d', $src ],
+		"$src: pg_dump");
+	sql('postgres', "CREATE DATABASE $dst");
+	$node->command_checks_all([ 'pg_restore', '-d', $dst, $file ],
+		0, [qr/^$/], [qr/^$/], "$src: pg_restore into $dst without errors");
+	return;
+}
+
+# Checks on a restored database whose source stored %tok.
+sub check_restored
+{
+	my ($src, $dst, $last_token, %tok) = @_;
+
+	is(sql($dst, "SELECT extversion FROM pg_extension WHERE extname = 'idem'"),
+		'1.1', "$dst: idem 1.1");
+	is(sql($dst, 'SELECT string_agg(scope || \'/\' || key || \'/\' || state, \' \' ORDER BY scope, key) FROM idem_keys'),
+		'/done-bin/DONE /done-null/DONE /flight/PROCESSING t1/done-scoped/DONE',
+		"$dst: the live keys, and no expired, released or uncommitted one");
+
+	# Completed keys replay their responses.
+	is(sql($dst, "SELECT claimed, state, token, status, body FROM idem_begin('done-bin', 'fp')"),
+		'f|DONE||201|\x00ff0a', "$dst: binary response replays");
+	is(sql($dst, "SELECT claimed, state, status, convert_from(body, 'UTF8') FROM idem_begin('done-scoped', 'fp', scope => 't1')"),
+		'f|DONE|200|tenant one', "$dst: scoped response replays");
+	is(sql($dst, "SELECT claimed, state, status, body IS NULL FROM idem_begin('done-null', 'fp')"),
+		'f|DONE|204|t', "$dst: NULL body replays");
+	is(sql($dst, "SELECT claimed, state, token, status, body FROM idem_begin('done-bin', 'other')"),
+		'f|CONFLICT|||', "$dst: another fingerprint is a conflict");
+
+	# The claim is still in flight; its holder completes it with its token.
+	is(sql($dst, "SELECT claimed, state, token FROM idem_begin('flight', 'fp')"),
+		'f|PROCESSING|', "$dst: the claim is in flight");
+	is(sql($dst, "SELECT idem_complete('flight', 'fp', 200, 'late', $tok{flight}) IS NOT NULL"),
+		't', "$dst: its holder completes it with the old token");
+	is(sql($dst, "SELECT state, convert_from(body, 'UTF8') FROM idem_begin('flight', 'fp')"),
+		'DONE|late', "$dst: and it replays");
+
+	# Expired keys are new again, and new tokens are above every token the
+	# source gave out.
+	my $next = sql($dst,
+		"SELECT string_agg(claimed || '/' || (token > $last_token), ' ' ORDER BY k) "
+		  . "FROM unnest(ARRAY['expired-done', 'expired-flight', 'uncommitted', 'brand-new']) k, "
+		  . "LATERAL idem_begin(k, 'fp')");
+	is($next, 'true/true true/true true/true true/true',
+		"$dst: expired, uncommitted and new keys are claimed with tokens above $last_token");
+
+	# Grants to the application role came along; PUBLIC still has none.
+	is(sql($dst, qq{SELECT has_function_privilege('app', 'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE'),
+		has_function_privilege('app', 'idem_complete(text,text,integer,bytea,bigint,interval,text)', 'EXECUTE'),
+		has_function_privilege('app', 'idem_release(text,bigint,text)', 'EXECUTE'),
+		has_function_privilege('public', 'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE'),
+		has_table_privilege('public', 'idem.keys', 'SELECT')}),
+		't|t|f|f|f', "$dst: app keeps its grants, PUBLIC has none");
+	is(sql($dst, "SET ROLE app; SELECT claimed, state FROM idem_begin('app-key', 'fp')"),
+		't|PROCESSING', "$dst: app claims keys");
+	return;
+}
+
+sql('postgres', 'CREATE ROLE app; CREATE DATABASE src');
+sql('src', "CREATE EXTENSION idem; GRANT EXECUTE ON FUNCTION $app_functions TO app");
+my %tok = store_keys('src');
+cmp_ok($tok{'released-5'}, '>',
+	sql('src', 'SELECT max(token) FROM idem.keys'),
+	'src: the last released token is above every stored one');
+
+# A claim held by a prepared transaction while the dump runs: it is not in
+# the dump, but its token was given out.
+my $last_token = sql('src',
+	"BEGIN; SELECT token FROM idem_begin('uncommitted', 'fp'); PREPARE TRANSACTION 'held'");
+cmp_ok($last_token, '>', $tok{'released-5'}, 'src: the held claim has the last token');
+
+# What the dump holds, as SQL.
+my $plain;
+$node->command_ok([ 'pg_dump', '-f', "$tmp/src.sql", '-d', 'src' ],
+	'src: plain pg_dump');
+$plain = PostgreSQL::Test::Utils::slurp_file("$tmp/src.sql");
+like($plain, qr/^COPY idem\.keys .*FROM stdin;$/m, 'the dump has the key table data');
+for my $key (qw(done-bin done-scoped done-null flight))
+{
+	like($plain, qr/\t\Q$key\E\t/, "the dump has key $key");
+}
+for my $key (qw(expired-done expired-flight released-1 uncommitted))
+{
+	unlike($plain, qr/\Q$key\E/, "the dump does not have key $key");
+}
+like($plain, qr/SELECT pg_catalog\.setval\('idem\.token_seq', $last_token, true\);/,
+	'the dump sets the token sequence to the last token given out');
+like($plain, qr/GRANT ALL ON FUNCTION public\.idem_begin\(.*\) TO app;/,
+	'the dump has the grant to app');
+
+dump_and_restore('src', 'dst');
+sql('src', "COMMIT PREPARED 'held'");
+is(sql('dst', $rows_sql),
+	sql('src', "$rows_sql WHERE expires_at > now() AND key <> 'uncommitted'"),
+	'dst: the restored rows are the live source rows, byte for byte');
+check_restored('src', 'dst', $last_token, %tok);
+
+# A database created at 1.0, with keys and a grant, then updated.
+sql('postgres', 'CREATE DATABASE src10');
+sql('src10', "CREATE EXTENSION idem VERSION '1.0'; GRANT EXECUTE ON FUNCTION $app_functions TO app");
+my %tok10 = store_keys('src10');
+sql('src10', 'ALTER EXTENSION idem UPDATE');
+my $last_token10 = sql('src10',
+	"BEGIN; SELECT token FROM idem_begin('uncommitted', 'fp'); PREPARE TRANSACTION 'held10'");
+dump_and_restore('src10', 'dst10');
+sql('src10', "ROLLBACK PREPARED 'held10'");
+is(sql('dst10', $rows_sql),
+	sql('src10', "$rows_sql WHERE expires_at > now()"),
+	'dst10: the restored rows are the live source rows, byte for byte');
+check_restored('src10', 'dst10', $last_token10, %tok10);
+
+$node->stop;
+done_testing();
