@@ -57,8 +57,10 @@ sub crash_backend
 	my $offset = -s $node->logfile;
 	is(kill('KILL', $pid), 1, "backend $pid killed with SIGKILL");
 	$node->wait_for_log(qr/all server processes terminated; reinitializing/, $offset);
+	# PostgreSQL 18 names the process by its type ("client backend").
 	ok($node->log_contains(
-			qr/server process \(PID $pid\) was terminated by signal 9/, $offset),
+			qr/(?:server process|client backend) \(PID $pid\) was terminated by signal 9/,
+			$offset),
 		'the postmaster saw the backend die and reinitialized');
 	ok($node->poll_query_until('postgres', 'SELECT 1', '1'),
 		'server accepts connections after the crash restart');
