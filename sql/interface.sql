@@ -16,10 +16,12 @@ SELECT p.oid::regprocedure AS function, p.proisstrict AS strict, p.provolatile A
 \d idem.keys
 
 -- The table, its token sequence and the two views belong to the extension.
+-- (From PostgreSQL 17 on their row types do too; types are left out here.)
 SELECT pg_describe_object(d.classid, d.objid, d.objsubid) AS member
   FROM pg_depend d
   JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'idem'
- WHERE d.deptype = 'e' AND d.classid <> 'pg_proc'::regclass
+ WHERE d.deptype = 'e'
+   AND d.classid NOT IN ('pg_proc'::regclass, 'pg_type'::regclass)
  ORDER BY 1;
 
 -- PUBLIC has no privilege on the schema, the table, the sequence, the
