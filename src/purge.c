@@ -8,18 +8,24 @@
  * idem.purge_batch_size expired rows from where the previous batch of this
  * backend stopped (a TID range scan), so a pass reads the table once and
  * needs no index on expires_at, which would make every complete a non-HOT
- * update.  A batch locks its rows with SKIP LOCKED, so it never waits for
- * a transaction that is re-claiming a key, and the DELETE re-checks expiry
- * on the locked row version.
+ * update.  A row is deleted only if the version the scan found expired is
+ * still the latest and nobody holds it: the delete does not wait, so a
+ * purge never waits for a transaction that is re-claiming a key and never
+ * deletes a key changed since its snapshot (the row is left for a later
+ * pass).
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
-#include "catalog/pg_type.h"
-#include "executor/spi.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "executor/tuptable.h"
 #include "fmgr.h"
 #include "storage/itemptr.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 
 #include "idem.h"
@@ -28,48 +34,63 @@
 
 PG_FUNCTION_INFO_V1(idem_purge);
 
-static IdemPlanDef plan_purge = {
-	"WITH deleted AS ("
-	" DELETE FROM idem.keys WHERE ctid OPERATOR(pg_catalog.=) ANY (ARRAY("
-	"  SELECT ctid FROM idem.keys"
-	"  WHERE ctid OPERATOR(pg_catalog.>) $3"
-	"  AND expires_at OPERATOR(pg_catalog.<=) $1"
-	"  LIMIT $2 FOR UPDATE SKIP LOCKED))"
-	" AND expires_at OPERATOR(pg_catalog.<=) $1 RETURNING ctid)"
-	" SELECT pg_catalog.count(*), pg_catalog.max(ctid) FROM deleted",
-	3, {TIMESTAMPTZOID, INT4OID, TIDOID}
-};
+/* expires_at's column number in idem.keys. */
+#define Anum_keys_expires_at	8
 
 /* Where this backend's next batch starts; (0,0) is before every row. */
 static ItemPointerData purge_cursor = {{0, 0}, 0};
 
 /*
  * Delete up to limit keys that expired at or before now, walking on from
- * the previous batch; a batch that finds fewer rows ends the pass and the
- * next one starts over.  The caller has called idem_spi_begin.  Returns
- * the number of rows deleted.
+ * the previous batch; a batch that reaches the end of the table ends the
+ * pass and the next one starts over.  Returns the number of rows deleted.
  */
 int64
 idem_purge_batch(TimestampTz now, int limit)
 {
-	Datum		values[3];
-	bool		isnull;
-	int64		n;
-	Datum		last;
+	Relation	rel = table_open(idem_keys_relid(), RowExclusiveLock);
+	CommandId	cid = GetCurrentCommandId(true);
+	ItemPointerData last;
+	Snapshot	snapshot;
+	TableScanDesc scan;
+	TupleTableSlot *slot;
+	bool		at_end = true;
+	int64		n = 0;
 
-	values[0] = TimestampTzGetDatum(now);
-	values[1] = Int32GetDatum(limit);
-	values[2] = PointerGetDatum(&purge_cursor);
-	if (idem_spi_run(&plan_purge, values, NULL) != 1)
-		elog(ERROR, "purge statement returned no row");
-	n = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-									SPI_tuptable->tupdesc, 1, &isnull));
-	last = SPI_getbinval(SPI_tuptable->vals[0], SPI_tuptable->tupdesc, 2,
-						 &isnull);
-	if (n < limit || isnull)
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
+	scan = table_beginscan_tidrange(rel, snapshot, &purge_cursor, &last);
+	slot = table_slot_create(rel, NULL);
+	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, slot))
+	{
+		ItemPointerData tid = slot->tts_tid;
+		bool		isnull;
+		TM_FailureData tmfd;
+
+		/* The next batch starts after this row. */
+		ItemPointerSet(&purge_cursor, ItemPointerGetBlockNumber(&tid),
+					   ItemPointerGetOffsetNumber(&tid) + 1);
+		if (DatumGetTimestampTz(slot_getattr(slot, Anum_keys_expires_at,
+											 &isnull)) > now)
+			continue;
+		if (table_tuple_delete(rel, &tid, cid, snapshot, InvalidSnapshot,
+							   false, &tmfd, false) == TM_Ok)
+			n++;
+		if (n >= limit)
+		{
+			at_end = false;
+			break;
+		}
+	}
+	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);
-	else
-		ItemPointerCopy((ItemPointer) DatumGetPointer(last), &purge_cursor);
+
+	table_endscan(scan);
+	ExecDropSingleTupleTableSlot(slot);
+	UnregisterSnapshot(snapshot);
+	table_close(rel, RowExclusiveLock);
+
 	idem_stats_add(IDEM_STAT_PURGED_ROWS, n);
 	return n;
 }
@@ -84,14 +105,12 @@ idem_purge(PG_FUNCTION_ARGS)
 	int64		max_rows = PG_ARGISNULL(0) ? PG_INT64_MAX : PG_GETARG_INT32(0);
 	TimestampTz now = idem_now();
 	int64		total = 0;
-	IdemSpi		spi;
 
 	if (max_rows < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_rows must not be negative")));
 
-	idem_spi_begin(&spi);
 	ItemPointerSet(&purge_cursor, 0, 0);
 	while (total < max_rows)
 	{
@@ -103,7 +122,5 @@ idem_purge(PG_FUNCTION_ARGS)
 		if (n < limit)
 			break;
 	}
-	idem_spi_end(&spi);
-
 	PG_RETURN_INT64(total);
 }
