@@ -77,6 +77,12 @@ bench: deps
 	$(MAKE) -s all install
 	bash test/bench/bench.sh
 
+# The pg_regress suite against a server under valgrind (minutes; not part
+# of make test).  VALGRIND_ISOLATION=1 adds the isolation specs.
+.PHONY: valgrind-check
+valgrind-check: deps
+	sh test/valgrind.sh
+
 # Build and run every suite and the demo against each supported PostgreSQL
 # version: 15 on the host, 17 and 18 in cached Debian chroots (root only).
 # MATRIX="17 18" runs a subset.
