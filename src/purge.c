@@ -97,7 +97,11 @@ idem_purge_batch(TimestampTz now, int limit)
 
 /*
  * idem_purge(max_rows): delete expired keys in batches of
- * idem.purge_batch_size, at most max_rows (NULL: all) in this transaction.
+ * idem.purge_batch_size.  Without max_rows, one whole pass over the table.
+ * With it, at most max_rows, going on from where this session's previous
+ * call stopped (and round to the start once), so that a loop of bounded
+ * calls, each in its own transaction, walks the table once instead of
+ * re-reading its start every time.
  */
 Datum
 idem_purge(PG_FUNCTION_ARGS)
@@ -105,13 +109,18 @@ idem_purge(PG_FUNCTION_ARGS)
 	int64		max_rows = PG_ARGISNULL(0) ? PG_INT64_MAX : PG_GETARG_INT32(0);
 	TimestampTz now = idem_now();
 	int64		total = 0;
+	int			laps;
 
 	if (max_rows < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_rows must not be negative")));
 
-	ItemPointerSet(&purge_cursor, 0, 0);
+	if (PG_ARGISNULL(0))
+		ItemPointerSet(&purge_cursor, 0, 0);
+	/* Started mid-table: the end of the table starts one more lap. */
+	laps = (ItemPointerGetBlockNumberNoCheck(&purge_cursor) == 0 &&
+			ItemPointerGetOffsetNumberNoCheck(&purge_cursor) == 0) ? 1 : 2;
 	while (total < max_rows)
 	{
 		int			limit = (int) Min((int64) idem_purge_batch_size,
@@ -119,7 +128,7 @@ idem_purge(PG_FUNCTION_ARGS)
 		int64		n = idem_purge_batch(now, limit);
 
 		total += n;
-		if (n < limit)
+		if (n < limit && --laps == 0)
 			break;
 	}
 	PG_RETURN_INT64(total);

@@ -441,6 +441,12 @@ idem_purge_main(Datum main_arg)
 	BackgroundWorkerInitializeConnectionByOid(dboid, InvalidOid, 0);
 	worker_set_appname(IDEM_PURGE_TYPE);
 
+	/*
+	 * A purge lost in a crash is redone by the next pass, so its batches
+	 * need not wait for their commit records to reach disk.
+	 */
+	SetConfigOption("synchronous_commit", "off", PGC_USERSET, PGC_S_OVERRIDE);
+
 	error_cxt = AllocSetContextCreate(TopMemoryContext, "idem purge error",
 									  ALLOCSET_DEFAULT_SIZES);
 
