@@ -24,6 +24,17 @@
 #define ERRCODE_IDEM_NO_CLAIM				MAKE_SQLSTATE('I','D','0','0','3')
 #define ERRCODE_IDEM_ALREADY_COMPLETED		MAKE_SQLSTATE('I','D','0','0','4')
 
+/* Columns of idem.keys, as created by sql/idem--1.0.sql. */
+#define Natts_keys				8
+#define Anum_keys_scope			1
+#define Anum_keys_key			2
+#define Anum_keys_fingerprint	3
+#define Anum_keys_token			4
+#define Anum_keys_status		5
+#define Anum_keys_body			6
+#define Anum_keys_lease_until	7
+#define Anum_keys_expires_at	8
+
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32
 

@@ -58,17 +58,6 @@ PG_FUNCTION_INFO_V1(idem_extend);
 /* Bound on read/lock/insert rounds of one claim; each round makes progress. */
 #define IDEM_MAX_CLAIM_ROUNDS	100
 
-/* Columns of idem.keys, as created by sql/idem--1.0.sql. */
-#define Natts_keys				8
-#define Anum_keys_scope			1
-#define Anum_keys_key			2
-#define Anum_keys_fingerprint	3
-#define Anum_keys_token			4
-#define Anum_keys_status		5
-#define Anum_keys_body			6
-#define Anum_keys_lease_until	7
-#define Anum_keys_expires_at	8
-
 static IdemPlanDef plan_insert = {
 	"INSERT INTO idem.keys"
 	" (scope, key, fingerprint, token, lease_until, expires_at)"
@@ -501,6 +490,32 @@ set_in_flight(ClaimResult *res)
 	idem_stats_count(IDEM_STAT_IN_FLIGHT);
 }
 
+/*
+ * Insert the key as a new claim; returns false if another transaction
+ * inserted it first and committed.  The only statement run through SPI.
+ */
+static bool
+insert_key(ClaimArgs *args, int64 *token)
+{
+	IdemSpi		spi;
+	Datum		values[5];
+	bool		isnull;
+	bool		inserted;
+
+	values[0] = PointerGetDatum(args->scope);
+	values[1] = PointerGetDatum(args->key);
+	values[2] = PointerGetDatum(args->fingerprint);
+	values[3] = TimestampTzGetDatum(args->lease_until);
+	values[4] = TimestampTzGetDatum(args->expires_at);
+	idem_spi_begin(&spi);
+	inserted = (idem_spi_run(&plan_insert, values, NULL) == 1);
+	if (inserted)
+		*token = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
+											 SPI_tuptable->tupdesc, 1, &isnull));
+	idem_spi_end(&spi);
+	return inserted;
+}
+
 /* Claim a key, or find out why not; see the file header. */
 static void
 claim_key(ClaimArgs *args, ClaimResult *res)
@@ -518,26 +533,16 @@ claim_key(ClaimArgs *args, ClaimResult *res)
 		}
 		else
 		{
-			Datum		values[5];
-			bool		isnull;
+			int64		token;
 
 			if (!args->wait && key_write_in_progress(args->scope, args->key))
 			{
 				set_in_flight(res);
 				return;
 			}
-			values[0] = PointerGetDatum(args->scope);
-			values[1] = PointerGetDatum(args->key);
-			values[2] = PointerGetDatum(args->fingerprint);
-			values[3] = TimestampTzGetDatum(args->lease_until);
-			values[4] = TimestampTzGetDatum(args->expires_at);
-			if (idem_spi_run(&plan_insert, values, NULL) == 1)
+			if (insert_key(args, &token))
 			{
-				set_claimed(res,
-							DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-														SPI_tuptable->tupdesc,
-														1, &isnull)),
-							args->lease_until, args->expires_at);
+				set_claimed(res, token, args->lease_until, args->expires_at);
 				idem_stats_count(IDEM_STAT_CLAIMS);
 				return;
 			}
@@ -606,7 +611,6 @@ idem_begin(PG_FUNCTION_ARGS)
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	ClaimArgs	args;
 	ClaimResult res;
-	IdemSpi		spi;
 	Datum		values[7];
 	bool		nulls[7];
 
@@ -632,9 +636,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(&res, 0, sizeof(res));
-	idem_spi_begin(&spi);
 	claim_key(&args, &res);
-	idem_spi_end(&spi);
 
 	memset(nulls, true, sizeof(nulls));
 	values[0] = BoolGetDatum(res.claimed);

@@ -34,9 +34,6 @@
 
 PG_FUNCTION_INFO_V1(idem_purge);
 
-/* expires_at's column number in idem.keys. */
-#define Anum_keys_expires_at	8
-
 /* Where this backend's next batch starts; (0,0) is before every row. */
 static ItemPointerData purge_cursor = {{0, 0}, 0};
 

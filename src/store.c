@@ -1,7 +1,9 @@
 /*-------------------------------------------------------------------------
  *
  * store.c
- *	  Access to the key table: kept SPI plans, run as the table's owner.
+ *	  The key table's identity, and kept SPI plans run as its owner (the
+ *	  INSERT of a new key and idem_lookup; everything else reads and
+ *	  writes the table directly).
  *
  * Every statement names its objects with their schema (idem.keys,
  * pg_catalog operators), so the caller's search_path cannot change what a

@@ -53,7 +53,6 @@
 
 #include "idem.h"
 #include "stats.h"
-#include "store.h"
 #include "worker.h"
 
 /* Seconds before the postmaster starts a failed launcher again. */
@@ -345,7 +344,6 @@ database_lock_available(void)
 static PurgeBatchResult
 purge_batch(int batch_size)
 {
-	IdemSpi		spi;
 	int64		n;
 
 	SetCurrentStatementStartTimestamp();
@@ -364,9 +362,7 @@ purge_batch(int batch_size)
 	}
 
 	pgstat_report_activity(STATE_RUNNING, "idem: deleting expired keys");
-	idem_spi_begin(&spi);
 	n = idem_purge_batch(idem_now(), batch_size);
-	idem_spi_end(&spi);
 	PopActiveSnapshot();
 	CommitTransactionCommand();
 	pgstat_report_stat(false);
