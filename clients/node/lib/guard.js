@@ -1,0 +1,338 @@
+'use strict';
+
+const {
+  IdemError, UnavailableError, TimeoutError, TokenSupersededError, NoClaimError,
+  AlreadyCompletedError, toIdemError, isDatabaseError,
+} = require('./errors');
+const { Store, toBuffer } = require('./store');
+
+/** What happened to a request, as in the reference guard. */
+const Outcome = Object.freeze({
+  EXECUTED: 'executed', // the handler ran under a claim
+  REPLAYED: 'replayed', // the stored response was returned
+  IN_FLIGHT: 'in_flight', // another caller holds a live claim
+  CONFLICT: 'conflict', // the key was used with another fingerprint
+  UNAVAILABLE: 'unavailable', // no claim could be made: the handler did not run
+});
+
+const DEFAULTS = Object.freeze({
+  schema: 'public',
+  scope: '',
+  lease: null, // ms or interval text; null: idem.default_lease
+  retention: null, // ms or interval text; null: idem.default_retention
+  wait: true,
+  timeout: 10000, // ms per server call, enforced by the server; 0: none
+  keepClaimOnError: false,
+  heartbeat: false, // true: extend every lease/3; a number: every that many ms
+  clockOffset: 0, // seconds (tests, superuser): SET LOCAL idem.clock_offset
+  fault: null, // (op) => truthy to make that server call fail
+});
+
+/** Extra time the client gives the server to report its own timeout. */
+const CLIENT_GRACE_MS = 1000;
+/** client_connection_check_interval while a call runs. */
+const CONNECTION_CHECK_MS = 1000;
+/** Heartbeat period when the lease is the server default (60 s) or text. */
+const DEFAULT_HEARTBEAT_MS = 20000;
+
+function normalizeOptions(options) {
+  const o = { ...DEFAULTS };
+  for (const [k, v] of Object.entries(options || {})) if (v !== undefined) o[k] = v;
+  if (!Number.isFinite(o.timeout) || o.timeout < 0) throw new TypeError('timeout must be a number of milliseconds >= 0');
+  o.timeout = Math.round(o.timeout);
+  if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
+  return o;
+}
+
+function clockOffsetOf(o) {
+  const v = typeof o.clockOffset === 'function' ? o.clockOffset() : o.clockOffset;
+  if (v == null) return 0;
+  if (!Number.isInteger(v)) throw new TypeError('clockOffset must be an integer number of seconds');
+  return v;
+}
+
+/** Make a call fail if the fault hook says so (as if the server did not answer). */
+function fireFault(o, op) {
+  if (typeof o.fault !== 'function') return;
+  const f = o.fault(op);
+  if (!f) return;
+  if (f instanceof IdemError) throw f;
+  const msg = f instanceof Error ? f.message : `fault injected at ${op}`;
+  throw new UnavailableError(msg, f instanceof Error ? { cause: f } : {});
+}
+
+/** A fault hook failing op (any op if omitted) the next n times. */
+function failTimes(n, op) {
+  let remaining = n;
+  return (o) => {
+    if (op != null && o !== op) return false;
+    if (remaining <= 0) return false;
+    remaining--;
+    return new UnavailableError(`fault injected at ${o}`);
+  };
+}
+
+/** Race promise against a deadline; onExpire runs when it passes. */
+function withDeadline(promise, ms, onExpire, what) {
+  if (!(ms > 0)) return promise;
+  let timer;
+  const deadline = new Promise((_, reject) => {
+    timer = setTimeout(() => {
+      try {
+        if (onExpire) onExpire();
+      } finally {
+        reject(new TimeoutError(`${what} got no answer within ${ms} ms`));
+      }
+    }, ms);
+  });
+  return Promise.race([promise, deadline]).finally(() => clearTimeout(timer));
+}
+
+/** Drop a connection at once; the server rolls its open transaction back. */
+function cutConnection(client) {
+  client.on('error', () => {});
+  const stream = client.connection && client.connection.stream;
+  if (stream && typeof stream.destroy === 'function') stream.destroy();
+  else client.end().catch(() => {});
+}
+
+/** True if the error means the connection itself cannot be used any more. */
+function connectionGone(err) {
+  const db = isDatabaseError(err) ? err : (err && isDatabaseError(err.cause) ? err.cause : null);
+  if (db == null) return true;
+  return db.code.startsWith('08') || db.code.startsWith('57P');
+}
+
+function normalizeResponse(value) {
+  if (value == null || typeof value !== 'object' || !Number.isInteger(value.status)) {
+    throw new TypeError('the handler must return { status: integer, body?: Buffer | string }');
+  }
+  return { status: value.status, body: toBuffer(value.body ?? null) };
+}
+
+function isClaimGone(err) {
+  return err instanceof TokenSupersededError || err instanceof NoClaimError || err instanceof AlreadyCompletedError;
+}
+
+/**
+ * Protects work done outside the database.  Each server call runs in its
+ * own short transaction on a connection from the pool, with
+ * SET LOCAL statement_timeout and lock_timeout, so a call the client gives
+ * up on is cancelled by the server and leaves nothing committed.
+ */
+class Guard {
+  /**
+   * @param pool a pg.Pool (anything with connect() returning a client
+   *   with query() and release())
+   */
+  constructor(pool, options = {}) {
+    if (pool == null || typeof pool.connect !== 'function') throw new TypeError('Guard needs a pg.Pool');
+    this.pool = pool;
+    this.options = normalizeOptions(options);
+    this.store = new Store({ schema: this.options.schema });
+  }
+
+  _opts(overrides) {
+    if (!overrides) return this.options;
+    const o = normalizeOptions({ ...this.options, ...overrides });
+    return o;
+  }
+
+  /**
+   * Run fn(client) in its own transaction with the call's timeouts and
+   * clock offset, then commit.  Throws idem errors.
+   */
+  async _run(o, op, fn) {
+    fireFault(o, op);
+    const timeout = o.timeout;
+    const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
+    const connecting = this.pool.connect();
+    let client;
+    try {
+      client = await withDeadline(connecting, timeout,
+        () => connecting.then((c) => c.release(), () => {}), `connect for ${op}`);
+    } catch (err) {
+      throw toIdemError(err);
+    }
+    let destroy = false;
+    try {
+      const pre = ['BEGIN'];
+      if (timeout > 0) {
+        pre.push(`SET LOCAL statement_timeout = ${timeout}`, `SET LOCAL lock_timeout = ${timeout}`,
+          `SET LOCAL client_connection_check_interval = ${CONNECTION_CHECK_MS}`);
+      }
+      const offset = clockOffsetOf(o);
+      if (offset !== 0) pre.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+      const work = (async () => {
+        await client.query(pre.join('; '));
+        const r = await fn(client, store);
+        await client.query('COMMIT');
+        return r;
+      })();
+      // The server cancels at `timeout`; if no answer comes even then, the
+      // link is cut, so the transaction can never commit.
+      return await withDeadline(work, timeout > 0 ? timeout + CLIENT_GRACE_MS : 0, () => {
+        destroy = true;
+        cutConnection(client);
+      }, op);
+    } catch (err) {
+      if (!destroy) {
+        if (connectionGone(err)) destroy = true;
+        else {
+          try {
+            await withDeadline(client.query('ROLLBACK'), timeout > 0 ? timeout + CLIENT_GRACE_MS : 0,
+              () => cutConnection(client), 'ROLLBACK');
+          } catch {
+            destroy = true;
+          }
+        }
+      }
+      throw toIdemError(err);
+    } finally {
+      client.release(destroy ? true : undefined);
+    }
+  }
+
+  /**
+   * Claim key, then replay, refuse, or run handler(claim) and store its
+   * response.  Never throws for the store or the handler: the result says
+   * what happened.
+   */
+  async do(key, fingerprint, handler, overrides) {
+    if (typeof key !== 'string' || typeof fingerprint !== 'string') throw new TypeError('key and fingerprint must be strings');
+    if (typeof handler !== 'function') throw new TypeError('handler must be a function');
+    const o = this._opts(overrides);
+    const result = {
+      outcome: Outcome.UNAVAILABLE,
+      response: null,
+      token: null,
+      error: null,
+      failedStep: null,
+      released: false,
+      superseded: false,
+      extends: 0,
+    };
+    const { scope, lease, retention } = o;
+
+    // Claim: any failure means no dedup protection, so the handler does not run.
+    let row;
+    try {
+      row = await this._run(o, 'begin', (c, store) =>
+        store.begin(c, { key, fingerprint, lease, retention, scope, wait: o.wait }));
+    } catch (err) {
+      result.error = err;
+      result.failedStep = 'begin';
+      return result;
+    }
+    if (!row.claimed) {
+      if (row.state === 'DONE') {
+        result.outcome = Outcome.REPLAYED;
+        result.response = { status: row.status, body: row.body };
+      } else if (row.state === 'CONFLICT') {
+        result.outcome = Outcome.CONFLICT;
+      } else {
+        result.outcome = Outcome.IN_FLIGHT;
+      }
+      return result;
+    }
+
+    result.outcome = Outcome.EXECUTED;
+    result.token = row.token;
+    const controller = new AbortController();
+    const hb = o.heartbeat ? this._heartbeat(o, key, row.token, controller) : null;
+    const claim = {
+      key,
+      fingerprint,
+      scope,
+      token: row.token,
+      leaseUntil: row.leaseUntil,
+      signal: controller.signal,
+      get lost() {
+        return controller.signal.aborted;
+      },
+    };
+
+    let response;
+    let handlerError = null;
+    try {
+      response = normalizeResponse(await handler(claim));
+    } catch (err) {
+      handlerError = err;
+    }
+    if (hb) {
+      await hb.stop();
+      result.extends = hb.extends;
+      result.superseded = controller.signal.aborted;
+    }
+
+    if (handlerError !== null) {
+      result.error = handlerError;
+      result.failedStep = 'handler';
+      if (!o.keepClaimOnError) {
+        try {
+          result.released = await this._run(o, 'release', (c, store) =>
+            store.release(c, { key, token: row.token, scope }));
+        } catch (err) {
+          result.releaseError = err;
+        }
+      }
+      return result;
+    }
+
+    result.response = response;
+    try {
+      await this._run(o, 'complete', (c, store) => store.complete(c, {
+        key, fingerprint, status: response.status, body: response.body, token: row.token, retention, scope,
+      }));
+    } catch (err) {
+      // The work is done but not stored: the key stays PROCESSING until
+      // its lease ends; the downstream must absorb a retry (pass the token).
+      result.error = err;
+      result.failedStep = 'complete';
+    }
+    return result;
+  }
+
+  /** Extend the lease periodically until stopped or the claim is lost. */
+  _heartbeat(o, key, token, controller) {
+    const period = typeof o.heartbeat === 'number' ? o.heartbeat
+      : (typeof o.lease === 'number' ? Math.max(1, Math.floor(o.lease / 3)) : DEFAULT_HEARTBEAT_MS);
+    const hb = { extends: 0, lastError: null };
+    let running = Promise.resolve();
+    let stopped = false;
+    const tick = async () => {
+      try {
+        await this._run(o, 'extend', (c, store) => store.extend(c, { key, token, lease: o.lease, scope: o.scope }));
+        hb.extends++;
+      } catch (err) {
+        hb.lastError = err;
+        if (isClaimGone(err)) {
+          clearInterval(timer);
+          controller.abort(err);
+        }
+      }
+    };
+    const timer = setInterval(() => {
+      if (stopped) return;
+      running = running.then(tick);
+    }, period);
+    if (typeof timer.unref === 'function') timer.unref();
+    hb.stop = async () => {
+      stopped = true;
+      clearInterval(timer);
+      await running;
+    };
+    return hb;
+  }
+
+  /** The one-transaction helper with this guard's options; see transaction(). */
+  transaction(client, key, fingerprint, handler, overrides) {
+    // Required lazily: transaction.js needs this module's helpers.
+    const { transaction } = require('./transaction');
+    return transaction(client, key, fingerprint, handler, { ...this.options, ...(overrides || {}) });
+  }
+}
+
+module.exports = {
+  Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS,
+};

@@ -1,0 +1,140 @@
+'use strict';
+
+const { toIdemError } = require('./errors');
+
+/** A SQL identifier, double-quoted. */
+function quoteIdent(name) {
+  if (typeof name !== 'string' || name === '') throw new TypeError('schema must be a non-empty string');
+  return '"' + name.replace(/"/g, '""') + '"';
+}
+
+/**
+ * An interval parameter: a number is milliseconds, a string is passed to
+ * PostgreSQL's interval input ('30s', '5 minutes'), null/undefined is NULL
+ * (the server's default).
+ */
+function intervalParam(value, name) {
+  if (value == null) return null;
+  if (typeof value === 'number') {
+    if (!Number.isFinite(value) || value <= 0) throw new TypeError(`${name} must be a positive number of milliseconds`);
+    return `${Math.round(value)} milliseconds`;
+  }
+  if (typeof value === 'string' && value !== '') return value;
+  throw new TypeError(`${name} must be milliseconds (number) or an interval string`);
+}
+
+/** A response body as a Buffer (sent to bytea in binary, never as text). */
+function toBuffer(body) {
+  if (body == null) return null;
+  if (Buffer.isBuffer(body)) return body;
+  if (ArrayBuffer.isView(body)) return Buffer.from(body.buffer, body.byteOffset, body.byteLength);
+  if (body instanceof ArrayBuffer) return Buffer.from(body);
+  if (typeof body === 'string') return Buffer.from(body, 'utf8');
+  throw new TypeError('body must be a Buffer, a Uint8Array or a string');
+}
+
+/** A token parameter (int8 as text), or null. */
+function tokenParam(token) {
+  if (token == null) return null;
+  if (typeof token === 'bigint') return token.toString();
+  if (typeof token === 'number' && Number.isSafeInteger(token)) return String(token);
+  if (typeof token === 'string' && /^-?\d+$/.test(token)) return token;
+  throw new TypeError('token must be a bigint');
+}
+
+function checkText(value, name) {
+  if (typeof value !== 'string') throw new TypeError(`${name} must be a string`);
+  return value;
+}
+
+function checkStatus(status) {
+  if (!Number.isInteger(status)) throw new TypeError('status must be an integer');
+  return status;
+}
+
+/**
+ * The four idem functions as single statements on a node-pg client,
+ * schema-qualified, every parameter cast to its exact type.  Errors are
+ * thrown as idem error classes.  No transaction control here.
+ */
+class Store {
+  constructor(options = {}) {
+    const s = quoteIdent(options.schema ?? 'public');
+    this.schema = options.schema ?? 'public';
+    this.sql = {
+      begin: 'SELECT claimed, state, token, status, body, lease_until, expires_at' +
+        ` FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)`,
+      complete: `SELECT ${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
+        ' $6::interval, $7::text) AS expires_at',
+      release: `SELECT ${s}.idem_release($1::text, $2::bigint, $3::text) AS released`,
+      extend: `SELECT ${s}.idem_extend($1::text, $2::bigint, $3::interval, $4::text) AS lease_until`,
+      lookup: 'SELECT state, token, status, lease_until, expires_at, body_size' +
+        ` FROM ${s}.idem_lookup($1::text, $2::text)`,
+    };
+  }
+
+  async _query(client, text, values) {
+    try {
+      return await client.query({ text, values });
+    } catch (err) {
+      throw toIdemError(err);
+    }
+  }
+
+  /** idem_begin: claim the key, or learn it is done, in flight or a conflict. */
+  async begin(client, { key, fingerprint, lease = null, retention = null, scope = '', wait = true }) {
+    const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'),
+      intervalParam(lease, 'lease'), intervalParam(retention, 'retention'),
+      checkText(scope, 'scope'), Boolean(wait)];
+    const res = await this._query(client, this.sql.begin, values);
+    const row = res.rows[0];
+    return {
+      claimed: row.claimed,
+      state: row.state,
+      token: row.token == null ? null : BigInt(row.token),
+      status: row.status,
+      body: row.body,
+      leaseUntil: row.lease_until,
+      expiresAt: row.expires_at,
+    };
+  }
+
+  /** idem_complete: store the response; returns the new expires_at. */
+  async complete(client, { key, fingerprint, status, body = null, token = null, retention = null, scope = '' }) {
+    const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'), checkStatus(status),
+      toBuffer(body), tokenParam(token), intervalParam(retention, 'retention'), checkText(scope, 'scope')];
+    const res = await this._query(client, this.sql.complete, values);
+    return res.rows[0].expires_at;
+  }
+
+  /** idem_release: give the claim up; true if the key is free now. */
+  async release(client, { key, token = null, scope = '' }) {
+    const values = [checkText(key, 'key'), tokenParam(token), checkText(scope, 'scope')];
+    const res = await this._query(client, this.sql.release, values);
+    return res.rows[0].released;
+  }
+
+  /** idem_extend: move the lease to now + lease; returns the new lease_until. */
+  async extend(client, { key, token = null, lease, scope = '' }) {
+    const values = [checkText(key, 'key'), tokenParam(token), intervalParam(lease, 'lease'), checkText(scope, 'scope')];
+    const res = await this._query(client, this.sql.extend, values);
+    return res.rows[0].lease_until;
+  }
+
+  /** idem_lookup (operators): the stored row without its body, or null. */
+  async lookup(client, { key, scope = '' }) {
+    const res = await this._query(client, this.sql.lookup, [checkText(key, 'key'), checkText(scope, 'scope')]);
+    if (res.rows.length === 0) return null;
+    const r = res.rows[0];
+    return {
+      state: r.state,
+      token: r.token == null ? null : BigInt(r.token),
+      status: r.status,
+      leaseUntil: r.lease_until,
+      expiresAt: r.expires_at,
+      bodySize: r.body_size,
+    };
+  }
+}
+
+module.exports = { Store, quoteIdent, intervalParam, toBuffer, tokenParam };

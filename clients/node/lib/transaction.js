@@ -1,0 +1,88 @@
+'use strict';
+
+const { IdemError, toIdemError } = require('./errors');
+const { Store } = require('./store');
+const { Outcome, normalizeOptions, normalizeResponse, clockOffsetOf } = require('./guard');
+
+/**
+ * The one-transaction pattern on the caller's client: BEGIN, claim the
+ * key, run handler(claim) (the business writes, on claim.client), store
+ * its response, COMMIT.  The claim, the writes and the response commit
+ * together or not at all.  A concurrent retry waits for this transaction
+ * and then replays the response.
+ *
+ * Resolves to { outcome, response, token }: executed (committed),
+ * replayed, in_flight (a guard's committed claim is live) or conflict.
+ * Rejects, after ROLLBACK, with the handler's own error or an idem error
+ * (TimeoutError when the claim waited longer than options.timeout: the
+ * server cancelled the wait, so no claim is left behind).
+ *
+ * The client must be idle (not inside a transaction).  The timeout applies
+ * to idem_begin only; statement_timeout and lock_timeout are restored for
+ * the handler's statements.
+ */
+async function transaction(client, key, fingerprint, handler, options) {
+  if (client == null || typeof client.query !== 'function') throw new TypeError('transaction needs a pg client');
+  if (typeof key !== 'string' || typeof fingerprint !== 'string') throw new TypeError('key and fingerprint must be strings');
+  if (typeof handler !== 'function') throw new TypeError('handler must be a function');
+  const o = normalizeOptions(options);
+  const store = new Store({ schema: o.schema });
+  const q = async (text, values) => {
+    try {
+      return await client.query(text, values);
+    } catch (err) {
+      throw toIdemError(err);
+    }
+  };
+
+  await q('BEGIN');
+  let ended = false;
+  try {
+    let saved = null;
+    if (o.timeout > 0) {
+      saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
+        " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
+      await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
+    }
+    const offset = clockOffsetOf(o);
+    if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+    const row = await store.begin(client, {
+      key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait,
+    });
+    if (saved) {
+      await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
+        ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
+    }
+    if (!row.claimed) {
+      await q('ROLLBACK');
+      ended = true;
+      if (row.state === 'DONE') return { outcome: Outcome.REPLAYED, response: { status: row.status, body: row.body }, token: null };
+      if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, response: null, token: null };
+      return { outcome: Outcome.IN_FLIGHT, response: null, token: null };
+    }
+
+    const claim = { key, fingerprint, scope: o.scope, token: row.token, client };
+    const response = normalizeResponse(await handler(claim));
+    await store.complete(client, {
+      key, fingerprint, status: response.status, body: response.body, token: row.token,
+      retention: o.retention, scope: o.scope,
+    });
+    const res = await q('COMMIT');
+    ended = true;
+    if (res && res.command === 'ROLLBACK') {
+      throw new IdemError('the transaction was rolled back: a statement in it failed');
+    }
+    return { outcome: Outcome.EXECUTED, response, token: row.token };
+  } catch (err) {
+    if (!ended) {
+      try {
+        await client.query('ROLLBACK');
+      } catch {
+        // the connection is gone: the server rolls back
+      }
+    }
+    throw err;
+  }
+}
+
+module.exports = { transaction };

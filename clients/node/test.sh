@@ -1,0 +1,65 @@
+#!/bin/sh
+# The Node client's tests against a throwaway PostgreSQL cluster.
+#
+#   sh clients/node/test.sh
+#
+# Installs the locked npm modules (npm ci), starts a cluster on port 55452
+# (IDEM_NODE_PORT) under /tmp with test/cluster.sh, creates the extension
+# (which must be installed: make && make install), runs node --test and
+# prints "N passed, N failed".  The cluster and any app server the tests
+# started are stopped on exit, also on failure or interrupt.
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+port=${IDEM_NODE_PORT:-55452}
+work=$(mktemp -d /tmp/idem-node.XXXXXX)
+chmod 755 "$work"
+pgdir="$work/pg"
+pids="$work/app-pids"
+: >"$pids"
+
+cleanup() {
+	trap - EXIT INT TERM
+	while read -r pid; do
+		[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
+	done <"$pids"
+	[ -d "$pgdir/data" ] && sh "$root/test/cluster.sh" stop "$pgdir" >/dev/null 2>&1
+	rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+fail_setup() {
+	echo "test.sh: $1" >&2
+	echo "0 passed, 1 failed"
+	exit 1
+}
+
+cd "$here" || fail_setup "no $here"
+npm ci --prefer-offline --no-audit --no-fund --loglevel=error >"$work/npm.log" 2>&1 ||
+	{ cat "$work/npm.log" >&2; fail_setup "npm ci failed"; }
+
+sh "$root/test/cluster.sh" start "$pgdir" "$port" >"$work/cluster.log" 2>&1 ||
+	{ cat "$work/cluster.log" "$pgdir/initdb.log" "$pgdir/server.log" >&2 2>/dev/null; fail_setup "could not start the cluster"; }
+
+export PGHOST="$pgdir" PGPORT="$port" PGUSER=postgres PGDATABASE=postgres
+export IDEM_TEST_PIDFILE="$pids"
+psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 ||
+	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
+
+{
+	node --test --test-reporter=tap --test-concurrency=1 test/*.test.js
+	echo $? >"$work/rc"
+} 2>&1 | tee "$work/node.log"
+
+rc=$(cat "$work/rc" 2>/dev/null || echo 1)
+passed=$(sed -n 's/^# pass \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
+failed=$(sed -n 's/^# fail \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
+cancelled=$(sed -n 's/^# cancelled \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
+passed=${passed:-0}
+failed=$(( ${failed:-0} + ${cancelled:-0} ))
+[ "$rc" -ne 0 ] && [ "$failed" -eq 0 ] && failed=1
+echo "$passed passed, $failed failed"
+[ "$rc" -eq 0 ] && [ "$failed" -eq 0 ]

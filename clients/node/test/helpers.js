@@ -1,0 +1,96 @@
+'use strict';
+
+// Shared by the test files: connections (PGHOST, PGPORT, PGUSER, PGDATABASE
+// from test.sh), unique keys, the reference guard's ledger, app servers.
+
+const fs = require('node:fs');
+const pg = require('pg');
+
+const RUN = `${process.pid.toString(36)}${Date.now().toString(36)}`;
+let counter = 0;
+
+/** A key no other test uses. */
+function uniqueKey(name) {
+  counter += 1;
+  return `${name}-${RUN}-${counter}`;
+}
+
+/** A pool; errors of idle clients (server stopped, backend killed) are ignored. */
+function makePool(config = {}) {
+  const pool = new pg.Pool({ max: 10, ...config });
+  pool.on('error', () => {});
+  return pool;
+}
+
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/** The reference test's ledger: stock, one reservation and one charge per key. */
+class Ledger {
+  constructor(stock) {
+    this.stock = stock;
+    this.reservations = new Map();
+    this.charges = new Map();
+  }
+
+  apply(key, qty, cents) {
+    if (this.reservations.has(key)) return true;
+    if (this.stock < qty) return false;
+    this.stock -= qty;
+    this.reservations.set(key, qty);
+    this.charges.set(key, cents);
+    return true;
+  }
+}
+
+/** The reference test's handler: count the call, wait, apply to the ledger. */
+function ledgerHandler(ledger, key, calls, delayMs) {
+  return async () => {
+    calls.n += 1;
+    if (delayMs > 0) await sleep(delayMs);
+    if (!ledger.apply(key, 1, 1000)) return { status: 409, body: 'OUT_OF_STOCK' };
+    return { status: 200, body: 'paid' };
+  };
+}
+
+/** The stored row of a key (idem_lookup), or null. */
+async function lookup(db, key, scope = '') {
+  const r = await db.query('SELECT state, token, status, body_size FROM public.idem_lookup($1::text, $2::text)', [key, scope]);
+  return r.rows[0] || null;
+}
+
+/** Listen on an ephemeral port; resolves to { url, close }. */
+function listen(app) {
+  return new Promise((resolve, reject) => {
+    const server = app.listen(0, '127.0.0.1', () => {
+      const { port } = server.address();
+      resolve({
+        server,
+        url: `http://127.0.0.1:${port}`,
+        close: () => new Promise((done) => {
+          if (typeof server.closeAllConnections === 'function') server.closeAllConnections();
+          server.close(() => done());
+        }),
+      });
+    });
+    server.on('error', reject);
+  });
+}
+
+/** Note a child process id so that test.sh kills it on exit whatever happens. */
+function recordPid(pid) {
+  if (process.env.IDEM_TEST_PIDFILE) fs.appendFileSync(process.env.IDEM_TEST_PIDFILE, `${pid}\n`);
+}
+
+/** Count outcomes: { executed: n, ... }. */
+function countOutcomes(results) {
+  const counts = { executed: 0, replayed: 0, in_flight: 0, conflict: 0, unavailable: 0 };
+  for (const r of results) counts[r.outcome] += 1;
+  return counts;
+}
+
+/** A pool that reaches no server (a socket directory with no server in it). */
+function deadPool() {
+  return makePool({ host: '/nonexistent-idem-socket-dir', port: 1, connectionTimeoutMillis: 2000 });
+}
+
+module.exports = { uniqueKey, makePool, sleep, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool };
