@@ -1,0 +1,156 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+)
+
+// Outcome tells what Do did with a request.
+type Outcome string
+
+const (
+	Executed    Outcome = "EXECUTED"
+	Replayed    Outcome = "REPLAYED"
+	InFlight    Outcome = "IN_FLIGHT"
+	Conflicted  Outcome = "CONFLICT"
+	Unavailable Outcome = "UNAVAILABLE"
+)
+
+// Guard rejects a mutating request when the store cannot answer instead of
+// executing it without dedup protection.
+//
+// Lease and Retention 0 mean the store's defaults (for PostgresStore, the
+// server's idem.default_lease and idem.default_retention).  Now gives the
+// time passed to the store; stores that use the server's clock ignore it.
+type Guard struct {
+	Store     Store
+	Lease     time.Duration
+	Retention time.Duration
+	Now       func() time.Time
+
+	// ReleaseOnError gives the claim up (Releaser) when the handler
+	// returns an error, so that a retry may run at once.  By default the
+	// key stays in flight until its lease ends, as after a crash.
+	ReleaseOnError bool
+
+	// Heartbeat extends the lease (Extender) every third of Lease (20 s
+	// when Lease is 0) while the handler runs.  When the store answers that
+	// the claim was superseded, released or completed, the heartbeat stops
+	// and the handler's context is cancelled.
+	Heartbeat bool
+}
+
+func (g *Guard) now() time.Time {
+	if g.Now != nil {
+		return g.Now()
+	}
+	return time.Now()
+}
+
+// answer turns a record that was not claimed into Do's result.
+func answer(rec Record) (Response, Outcome, error) {
+	switch rec.State {
+	case Done:
+		return rec.Response, Replayed, nil
+	case Conflict:
+		return Response{}, Conflicted, ErrConflict
+	default:
+		return Response{}, InFlight, ErrInFlight
+	}
+}
+
+// Do claims key, then replays the stored response, refuses (in flight,
+// conflict), or runs fn and stores its response.  If the store cannot
+// answer the claim, the outcome is Unavailable with ErrUnavailable and fn
+// does not run.  fn's context carries the claim and its fencing token
+// (ClaimFromContext, TokenFromContext).
+//
+// A handler error is returned with Executed and nothing is stored.  A
+// failed Complete is returned with Executed: the side effect may be
+// visible, and the key stays in flight until its lease ends.
+func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context.Context) (Response, error)) (Response, Outcome, error) {
+	now := g.now()
+	rec, claimed, err := g.Store.Begin(ctx, key, fingerprint, now, g.Lease, g.Retention)
+	if err != nil {
+		return Response{}, Unavailable, ErrUnavailable
+	}
+	if !claimed {
+		return answer(rec)
+	}
+	cctx := WithClaim(ctx, Claim{Key: key, Token: rec.Token})
+	hctx := cctx
+	var hb *heartbeat
+	if ext, ok := g.Store.(Extender); ok && g.Heartbeat {
+		hb = g.startHeartbeat(cctx, ext, key, rec.Token)
+		hctx = hb.ctx
+	}
+	resp, ferr := fn(hctx)
+	if hb != nil {
+		hb.stop()
+	}
+	if ferr != nil {
+		if rel, ok := g.Store.(Releaser); ok && g.ReleaseOnError {
+			if _, rerr := rel.Release(cctx, key, rec.Token, g.now()); rerr != nil {
+				return resp, Executed, fmt.Errorf("%w (release failed: %v)", ferr, rerr)
+			}
+		}
+		return resp, Executed, ferr
+	}
+	if err := g.Store.Complete(cctx, key, fingerprint, resp, now, g.Retention); err != nil {
+		// The side effect may already be visible; the key stays PROCESSING and
+		// the downstream idempotency key must absorb the retry.
+		return resp, Executed, err
+	}
+	return resp, Executed, nil
+}
+
+// heartbeat extends one claim's lease until stopped or the claim is lost.
+type heartbeat struct {
+	ctx    context.Context // the handler's: cancelled when the claim is lost
+	cancel context.CancelFunc
+	quit   chan struct{}
+	done   sync.WaitGroup
+}
+
+func (g *Guard) startHeartbeat(ctx context.Context, ext Extender, key string, token int64) *heartbeat {
+	period := g.Lease / 3
+	if g.Lease == 0 {
+		period = 20 * time.Second
+	}
+	if period <= 0 {
+		period = time.Millisecond
+	}
+	hctx, cancel := context.WithCancel(ctx)
+	hb := &heartbeat{ctx: hctx, cancel: cancel, quit: make(chan struct{})}
+	hb.done.Add(1)
+	go func() {
+		defer hb.done.Done()
+		ticker := time.NewTicker(period)
+		defer ticker.Stop()
+		for {
+			select {
+			case <-hb.quit:
+				return
+			case <-hctx.Done():
+				return
+			case <-ticker.C:
+			}
+			_, err := ext.Extend(hctx, key, token, g.now(), g.Lease)
+			if errors.Is(err, ErrSuperseded) || errors.Is(err, ErrNoClaim) || errors.Is(err, ErrAlreadyCompleted) {
+				cancel()
+				return
+			}
+		}
+	}()
+	return hb
+}
+
+// stop ends the heartbeat and waits for it.
+func (hb *heartbeat) stop() {
+	close(hb.quit)
+	hb.done.Wait()
+	hb.cancel()
+}

@@ -1,0 +1,377 @@
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math"
+	"time"
+
+	"github.com/jackc/pgx/v4"
+	"github.com/jackc/pgx/v4/pgxpool"
+)
+
+// PostgresStore is a Store backed by the idem extension.
+//
+// Each Begin is its own short transaction that commits the claim before
+// the handler runs; Complete, Release and Extend carry the claim's fencing
+// token.  No session state is kept on the server between calls, so the
+// store works through transaction pooling (set the pool's statement cache
+// to describe mode there).  Set the fields before first use.
+type PostgresStore struct {
+	// Fault, when set, is called with "begin", "complete", "release" or
+	// "extend" before each server call; an error fails that call as if
+	// the server had not answered.  For tests.
+	Fault func(op string) error
+
+	// ClientClock makes every call run at the caller's now: it sets
+	// idem.clock_offset (whole seconds, superuser only) for the call's own
+	// transaction.  When false, the server's clock decides and now is
+	// ignored.
+	ClientClock bool
+
+	// Scope is the namespace of the keys (a tenant); "" is the default scope.
+	Scope string
+
+	// Schema is the schema of the idem functions; "" means "public".
+	Schema string
+
+	// NoWait makes Begin report a claim that is not yet committed as in
+	// flight instead of waiting for its transaction.
+	NoWait bool
+
+	// Timeout bounds each call (0: no bound besides ctx).  It is applied as
+	// a context deadline and, for the transaction of the call, as
+	// lock_timeout and statement_timeout, so a call waiting for another
+	// transaction's claim is cancelled on the server too.
+	Timeout time.Duration
+
+	pool *pgxpool.Pool
+}
+
+// NewPostgresStore returns a store that calls idem through pool.
+func NewPostgresStore(pool *pgxpool.Pool) *PostgresStore {
+	return &PostgresStore{pool: pool}
+}
+
+// Pool returns the pool the store uses.
+func (s *PostgresStore) Pool() *pgxpool.Pool { return s.pool }
+
+// extended forces the extended protocol, so bytea bodies go as binary
+// parameters even when the pool prefers the simple protocol.
+var extended = pgx.QuerySimpleProtocol(false)
+
+const (
+	sqlBegin = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
+		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)"
+	sqlComplete = "SELECT %s.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint, $6::interval, $7::text)"
+	sqlRelease  = "SELECT %s.idem_release($1::text, $2::bigint, $3::text)"
+	sqlExtend   = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
+	sqlClock    = "SELECT pg_catalog.set_config('idem.clock_offset'," +
+		" pg_catalog.round(pg_catalog.date_part('epoch', $1::timestamptz - pg_catalog.clock_timestamp()))::bigint::text, true)"
+	sqlTimeouts = "SELECT pg_catalog.set_config('lock_timeout', $1::text, true)," +
+		" pg_catalog.set_config('statement_timeout', $1::text, true)"
+)
+
+// sql puts the quoted schema into a statement.
+func (s *PostgresStore) sql(format string) string {
+	schema := s.Schema
+	if schema == "" {
+		schema = "public"
+	}
+	return fmt.Sprintf(format, pgx.Identifier{schema}.Sanitize())
+}
+
+func (s *PostgresStore) fault(op string) error {
+	if s.Fault != nil {
+		return s.Fault(op)
+	}
+	return nil
+}
+
+// callContext bounds one call by Timeout.
+func (s *PostgresStore) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	if s.Timeout > 0 {
+		return context.WithTimeout(ctx, s.Timeout)
+	}
+	return context.WithCancel(ctx)
+}
+
+// interval is d as an interval parameter; 0 is NULL (the server's default).
+func interval(d time.Duration) interface{} {
+	if d == 0 {
+		return nil
+	}
+	return d
+}
+
+// setLocals applies the clock offset and the timeouts to tx.
+func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time) error {
+	if s.ClientClock {
+		if _, err := tx.Exec(ctx, sqlClock, extended, now); err != nil {
+			return err
+		}
+	}
+	if s.Timeout > 0 {
+		ms := int64(math.Ceil(float64(s.Timeout) / float64(time.Millisecond)))
+		if _, err := tx.Exec(ctx, sqlTimeouts, extended, fmt.Sprintf("%dms", ms)); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// needsTx tells whether a call must run in an explicit transaction.
+func (s *PostgresStore) needsTx() bool { return s.ClientClock || s.Timeout > 0 }
+
+// inTx runs fn in a transaction with the settings applied and commits.
+func (s *PostgresStore) inTx(ctx context.Context, now time.Time, fn func(pgx.Tx) error) error {
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer rollback(tx)
+	if err := s.setLocals(ctx, tx, now); err != nil {
+		return err
+	}
+	if err := fn(tx); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
+}
+
+// rollback ends tx if it is still open; a broken connection is dropped by
+// the pool.
+func rollback(tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}
+
+// querier is what a statement runs on: the pool or a transaction.
+type querier interface {
+	QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row
+}
+
+// call runs one single-row statement, in a transaction when the settings
+// need one.
+func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier) error) error {
+	if !s.needsTx() {
+		return fn(s.pool)
+	}
+	return s.inTx(ctx, now, func(tx pgx.Tx) error { return fn(tx) })
+}
+
+// beginRow runs idem_begin on q and makes its answer a Record.
+func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprint string, lease, retention time.Duration) (Record, bool, error) {
+	var (
+		claimed               bool
+		state                 string
+		token                 *int64
+		status                *int32
+		body                  []byte
+		leaseUntil, expiresAt *time.Time
+	)
+	err := q.QueryRow(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
+		s.Scope, !s.NoWait).Scan(&claimed, &state, &token, &status, &body, &leaseUntil, &expiresAt)
+	if err != nil {
+		return Record{}, false, mapError(err)
+	}
+	rec := Record{Fingerprint: fingerprint, State: State(state)}
+	if rec.State == Conflict {
+		rec.Fingerprint = ""
+	}
+	if status != nil {
+		rec.Response.Status = int(*status)
+	}
+	if body != nil {
+		rec.Response.Body = append([]byte{}, body...)
+	}
+	if leaseUntil != nil {
+		rec.LeaseUntil = *leaseUntil
+	}
+	if expiresAt != nil {
+		rec.ExpiresAt = *expiresAt
+	}
+	if claimed {
+		if token == nil {
+			return Record{}, false, errors.New("idem_begin claimed a key without a token")
+		}
+		rec.Token = *token
+	}
+	return rec, claimed, nil
+}
+
+// Begin claims key with idem_begin in its own transaction.  lease or
+// retention 0 means the server's default (idem.default_lease,
+// idem.default_retention).  If the claim's commit fails or is cut off
+// (timeout, lost connection), the claim is released at once so that no
+// claim is left that nobody holds.
+func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool, error) {
+	if err := s.fault("begin"); err != nil {
+		return Record{}, false, err
+	}
+	cctx, cancel := s.callContext(ctx)
+	defer cancel()
+	var (
+		rec     Record
+		claimed bool
+	)
+	tx, err := s.pool.Begin(cctx)
+	if err != nil {
+		return Record{}, false, err
+	}
+	defer rollback(tx)
+	if err := s.setLocals(cctx, tx, now); err != nil {
+		return Record{}, false, err
+	}
+	rec, claimed, err = s.beginRow(cctx, tx, key, fingerprint, lease, retention)
+	if err != nil {
+		return Record{}, false, err
+	}
+	if err := tx.Commit(cctx); err != nil {
+		if claimed {
+			s.releaseQuietly(key, rec.Token, now)
+		}
+		return Record{}, false, err
+	}
+	return rec, claimed, nil
+}
+
+// releaseQuietly gives up a claim whose commit may or may not have happened.
+func (s *PostgresStore) releaseQuietly(key string, token int64, now time.Time) {
+	d := s.Timeout
+	if d <= 0 || d < time.Second {
+		d = 5 * time.Second
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), d)
+	defer cancel()
+	_ = s.call(ctx, now, func(q querier) error {
+		var ok bool
+		return q.QueryRow(ctx, s.sql(sqlRelease), extended, key, token, s.Scope).Scan(&ok)
+	})
+}
+
+// Complete stores resp with idem_complete.  The token is that of the claim
+// of key that ctx carries (see WithClaim; Guard.Do puts it there); without
+// one the server accepts the complete only inside the claiming transaction.
+// retention 0 means the server's default.
+func (s *PostgresStore) Complete(ctx context.Context, key, fingerprint string, resp Response, now time.Time, retention time.Duration) error {
+	if err := s.fault("complete"); err != nil {
+		return err
+	}
+	var token interface{}
+	if t, ok := tokenFor(ctx, key); ok {
+		token = t
+	}
+	cctx, cancel := s.callContext(ctx)
+	defer cancel()
+	return mapError(s.call(cctx, now, func(q querier) error {
+		var expires time.Time
+		return q.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
+			body(resp.Body), token, interval(retention), s.Scope).Scan(&expires)
+	}))
+}
+
+// body is never NULL: a nil body is stored as an empty one.
+func body(b []byte) []byte {
+	if b == nil {
+		return []byte{}
+	}
+	return b
+}
+
+// Release gives up the claim of key held with token (idem_release), so
+// that the key is free at once.  It returns false when the key has no live
+// row.
+func (s *PostgresStore) Release(ctx context.Context, key string, token int64, now time.Time) (bool, error) {
+	if err := s.fault("release"); err != nil {
+		return false, err
+	}
+	cctx, cancel := s.callContext(ctx)
+	defer cancel()
+	var released bool
+	err := s.call(cctx, now, func(q querier) error {
+		return q.QueryRow(cctx, s.sql(sqlRelease), extended, key, token, s.Scope).Scan(&released)
+	})
+	return released, mapError(err)
+}
+
+// Extend moves the lease of the claim of key held with token to now +
+// lease (idem_extend; lease 0: the server's default lease) and returns
+// the new end of the lease.
+func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now time.Time, lease time.Duration) (time.Time, error) {
+	if err := s.fault("extend"); err != nil {
+		return time.Time{}, err
+	}
+	cctx, cancel := s.callContext(ctx)
+	defer cancel()
+	var until time.Time
+	err := s.call(cctx, now, func(q querier) error {
+		return q.QueryRow(cctx, s.sql(sqlExtend), extended, key, token, interval(lease), s.Scope).Scan(&until)
+	})
+	return until, mapError(err)
+}
+
+// DoTx runs fn under key in one transaction with fn's own writes: it
+// claims the key with idem_begin, runs fn with the transaction, stores the
+// response with idem_complete and commits.  The claim, fn's writes and the
+// response commit together or not at all; a concurrent retry waits for the
+// transaction and then replays the response.
+//
+// g.Store must be a *PostgresStore.  The outcomes are those of Do.  Any
+// error after the claim (from fn, the complete or the commit) rolls the
+// transaction back: the outcome is Executed with that error, and neither
+// fn's writes nor the claim remain (unless the commit itself was cut off,
+// when its result is unknown).  The handler's context carries the claim
+// (WithClaim).  Lease, Heartbeat and ReleaseOnError do not apply.
+func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(context.Context, pgx.Tx) (Response, error)) (Response, Outcome, error) {
+	s, ok := g.Store.(*PostgresStore)
+	if !ok {
+		return Response{}, Unavailable, fmt.Errorf("%w: DoTx needs a *PostgresStore", ErrUnavailable)
+	}
+	now := g.now()
+	if err := s.fault("begin"); err != nil {
+		return Response{}, Unavailable, ErrUnavailable
+	}
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return Response{}, Unavailable, ErrUnavailable
+	}
+	defer rollback(tx)
+	rec, claimed, err := func() (Record, bool, error) {
+		cctx, cancel := s.callContext(ctx)
+		defer cancel()
+		if s.ClientClock {
+			if _, err := tx.Exec(cctx, sqlClock, extended, now); err != nil {
+				return Record{}, false, err
+			}
+		}
+		return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention)
+	}()
+	if err != nil {
+		return Response{}, Unavailable, ErrUnavailable
+	}
+	if !claimed {
+		return answer(rec)
+	}
+	resp, ferr := fn(WithClaim(ctx, Claim{Key: key, Token: rec.Token}), tx)
+	if ferr != nil {
+		return resp, Executed, ferr
+	}
+	if err := s.fault("complete"); err != nil {
+		return resp, Executed, err
+	}
+	cctx, cancel := s.callContext(ctx)
+	defer cancel()
+	var expires time.Time
+	err = tx.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
+		body(resp.Body), rec.Token, interval(g.Retention), s.Scope).Scan(&expires)
+	if err != nil {
+		return resp, Executed, mapError(err)
+	}
+	if err := tx.Commit(cctx); err != nil {
+		return resp, Executed, err
+	}
+	return resp, Executed, nil
+}

@@ -1,0 +1,230 @@
+// Package idempotency guards mutating requests with idempotency keys.
+//
+// A Guard claims a key in a Store, runs the handler once, stores its
+// response and replays that response to retries.  MemoryStore keeps keys in
+// process memory (for unit tests); PostgresStore keeps them in PostgreSQL
+// through the idem extension, so that every process sharing the database
+// shares the keys.
+package idempotency
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"time"
+)
+
+// State is the state of a key as Begin reports it.
+type State string
+
+const (
+	Processing State = "PROCESSING"
+	Done       State = "DONE"
+	Conflict   State = "CONFLICT"
+)
+
+var (
+	ErrInFlight = errors.New("idempotent request is in flight")
+	ErrConflict = errors.New("idempotency key reused with different parameters")
+)
+
+// Response is what a handler answered and what a retry replays.
+type Response struct {
+	Status int
+	Body   []byte
+}
+
+// Record is a key as Begin found or made it.
+//
+// Token is the claim's fencing token when Begin claimed the key (0
+// otherwise).  PostgresStore does not learn the stored fingerprint of a
+// key used with another one: on Conflict, Fingerprint is empty.
+type Record struct {
+	Fingerprint string
+	State       State
+	Response    Response
+	LeaseUntil  time.Time
+	ExpiresAt   time.Time
+	Token       int64
+}
+
+// Store claims keys and stores responses.
+//
+// Begin claims key (claimed true) when it is new, its window is over or its
+// lease is over; otherwise it reports the record.  Complete stores the
+// response of a claim; the claim's token travels in ctx (see WithClaim).
+type Store interface {
+	Begin(ctx context.Context, key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool, error)
+	Complete(ctx context.Context, key, fingerprint string, resp Response, now time.Time, retention time.Duration) error
+}
+
+// Releaser is a Store that can give up a claim so that a retry may run at
+// once.  It reports whether a claim was released.
+type Releaser interface {
+	Release(ctx context.Context, key string, token int64, now time.Time) (bool, error)
+}
+
+// Extender is a Store that can move a claim's lease to now + lease.
+// It returns the new end of the lease.
+type Extender interface {
+	Extend(ctx context.Context, key string, token int64, now time.Time, lease time.Duration) (time.Time, error)
+}
+
+// Claim identifies the claim a handler runs under.
+type Claim struct {
+	Key   string
+	Token int64
+}
+
+type claimKey struct{}
+
+// WithClaim returns ctx carrying claim.  Guard.Do gives it to the handler
+// and to Store.Complete; PostgresStore.Complete sends the token of the
+// claim whose Key is the key being completed.
+func WithClaim(ctx context.Context, claim Claim) context.Context {
+	return context.WithValue(ctx, claimKey{}, claim)
+}
+
+// ClaimFromContext returns the claim ctx carries.
+func ClaimFromContext(ctx context.Context) (Claim, bool) {
+	c, ok := ctx.Value(claimKey{}).(Claim)
+	return c, ok
+}
+
+// TokenFromContext returns the fencing token of the claim ctx carries.
+// Pass it downstream (to a payment provider, a queue) so that a stale
+// holder's late writes can be refused there too.
+func TokenFromContext(ctx context.Context) (int64, bool) {
+	c, ok := ClaimFromContext(ctx)
+	return c.Token, ok
+}
+
+// tokenFor returns the token ctx carries for key.
+func tokenFor(ctx context.Context, key string) (int64, bool) {
+	c, ok := ClaimFromContext(ctx)
+	if !ok || c.Key != key {
+		return 0, false
+	}
+	return c.Token, true
+}
+
+// MemoryStore keeps keys in a map.  It is for tests and single-process
+// programs: nothing is shared between processes and nothing survives a
+// restart.
+type MemoryStore struct {
+	mu        sync.Mutex
+	records   map[string]Record
+	lastToken int64
+	// Fault, when set, is called with "begin", "complete", "release" or
+	// "extend" before each operation; an error fails that operation.
+	Fault func(op string) error
+}
+
+// NewMemoryStore returns an empty MemoryStore.
+func NewMemoryStore() *MemoryStore { return &MemoryStore{records: map[string]Record{}} }
+
+func (s *MemoryStore) fault(op string) error {
+	if s.Fault != nil {
+		return s.Fault(op)
+	}
+	return nil
+}
+
+// Begin claims key or reports it; see Store.
+func (s *MemoryStore) Begin(ctx context.Context, key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.fault("begin"); err != nil {
+		return Record{}, false, err
+	}
+	rec, ok := s.records[key]
+	if !ok || !now.Before(rec.ExpiresAt) {
+		s.lastToken++
+		rec = Record{Fingerprint: fingerprint, State: Processing, LeaseUntil: now.Add(lease),
+			ExpiresAt: now.Add(retention), Token: s.lastToken}
+		s.records[key] = rec
+		return rec, true, nil
+	}
+	if rec.Fingerprint != fingerprint {
+		rec.State = Conflict
+		rec.Token = 0
+		return rec, false, nil
+	}
+	if rec.State == Done || now.Before(rec.LeaseUntil) {
+		rec.Token = 0
+		return rec, false, nil
+	}
+	s.lastToken++
+	rec.LeaseUntil = now.Add(lease)
+	rec.Token = s.lastToken
+	s.records[key] = rec
+	return rec, true, nil
+}
+
+// Complete stores resp for key.  A key that is missing or has another
+// fingerprint gets ErrConflict; when ctx carries a claim of key whose token
+// was superseded by a takeover, ErrSuperseded.
+func (s *MemoryStore) Complete(ctx context.Context, key, fingerprint string, resp Response, now time.Time, retention time.Duration) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.fault("complete"); err != nil {
+		return err
+	}
+	rec, ok := s.records[key]
+	if !ok || rec.Fingerprint != fingerprint {
+		return ErrConflict
+	}
+	if token, has := tokenFor(ctx, key); has && token != rec.Token {
+		return ErrSuperseded
+	}
+	rec.State = Done
+	rec.Response = Response{Status: resp.Status, Body: append([]byte(nil), resp.Body...)}
+	rec.LeaseUntil = time.Time{}
+	rec.ExpiresAt = now.Add(retention)
+	s.records[key] = rec
+	return nil
+}
+
+// Release deletes the claim of key held with token.
+func (s *MemoryStore) Release(ctx context.Context, key string, token int64, now time.Time) (bool, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.fault("release"); err != nil {
+		return false, err
+	}
+	rec, ok := s.records[key]
+	switch {
+	case !ok || !now.Before(rec.ExpiresAt):
+		return false, nil
+	case rec.State == Done:
+		return false, ErrAlreadyCompleted
+	case rec.Token != token:
+		return false, ErrSuperseded
+	}
+	delete(s.records, key)
+	return true, nil
+}
+
+// Extend moves the lease of the claim of key held with token to now + lease.
+func (s *MemoryStore) Extend(ctx context.Context, key string, token int64, now time.Time, lease time.Duration) (time.Time, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.fault("extend"); err != nil {
+		return time.Time{}, err
+	}
+	rec, ok := s.records[key]
+	switch {
+	case !ok || !now.Before(rec.ExpiresAt):
+		return time.Time{}, ErrNoClaim
+	case rec.State == Done:
+		return time.Time{}, ErrAlreadyCompleted
+	case rec.Token != token:
+		return time.Time{}, ErrSuperseded
+	}
+	rec.LeaseUntil = now.Add(lease)
+	if rec.ExpiresAt.Before(rec.LeaseUntil) {
+		rec.ExpiresAt = rec.LeaseUntil
+	}
+	s.records[key] = rec
+	return rec.LeaseUntil, nil
+}

@@ -1,0 +1,90 @@
+#!/bin/sh
+# Run the Go client's tests against a throwaway PostgreSQL cluster.
+#
+#   sh clients/go/test.sh
+#
+# The idem extension must be installed already (make install).  Installs
+# Debian's Go and pgx v4 packages if they are missing, starts a cluster
+# with test/cluster.sh (as root, its server runs as the user idemtest),
+# runs CREATE EXTENSION idem and `go test` in GOPATH mode, always stops the
+# cluster, and ends with a line "N passed, N failed" counting the Go test
+# cases (tests and subtests).
+set -u
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+port=55432
+dir=/tmp/idem-go-cluster.$$
+work=
+done_cleanup=
+
+cleanup() {
+	[ -n "$done_cleanup" ] && return
+	done_cleanup=1
+	if [ -d "$dir" ]; then
+		sh "$root/test/cluster.sh" stop "$dir" >/dev/null 2>&1
+		rm -rf "$dir"
+	fi
+	[ -n "$work" ] && rm -rf "$work"
+}
+trap cleanup EXIT
+trap 'cleanup; exit 130' INT
+trap 'cleanup; exit 143' TERM
+
+fail() {
+	echo "go client: $*" >&2
+	echo "0 passed, 1 failed"
+	exit 1
+}
+
+# 1. Debian packages: Go 1.19 and pgx v4 (GOPATH sources in /usr/share/gocode).
+missing=
+command -v go >/dev/null 2>&1 || missing="$missing golang-go"
+[ -d /usr/share/gocode/src/github.com/jackc/pgx/v4/pgxpool ] ||
+	missing="$missing golang-github-jackc-pgx-v4-dev"
+if [ -n "$missing" ]; then
+	if [ "$(id -u)" -eq 0 ]; then sudo=; else sudo=sudo; fi
+	echo "go client: installing$missing"
+	$sudo apt-get update -qq >/dev/null &&
+		$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null ||
+		fail "could not install$missing"
+fi
+command -v pg_config >/dev/null 2>&1 || fail "pg_config not found: install the extension first (make install)"
+
+# 2. A throwaway cluster with the extension.
+work=$(mktemp -d /tmp/idem-go-work.XXXXXX) || fail "mktemp failed"
+sh "$root/test/cluster.sh" start "$dir" "$port" || {
+	cat "$dir/initdb.log" "$dir/server.log" 2>/dev/null | tail -n 30 >&2
+	fail "could not start the test cluster"
+}
+psql="$(pg_config --bindir)/psql"
+"$psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 \
+	-c 'CREATE EXTENSION idem' || fail "CREATE EXTENSION idem failed"
+
+# 3. go test in GOPATH mode: the package is linked into a temporary GOPATH.
+mkdir -p "$work/gopath/src/idem/clients" &&
+	ln -s "$here" "$work/gopath/src/idem/clients/go" || fail "GOPATH set-up failed"
+[ -n "${GOCACHE:-}" ] || [ -n "${HOME:-}" ] || GOCACHE="$work/gocache"
+[ -n "${GOCACHE:-}" ] && export GOCACHE
+log="$work/go-test.log"
+(
+	cd "$work/gopath/src/idem/clients/go" &&
+		GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
+			IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=postgres" \
+			go test -v -count=1 -timeout 300s ./idempotency/
+) >"$log" 2>&1
+rc=$?
+cat "$log"
+
+# 4. Count the cases.
+passed=$(grep -c -- '--- PASS:' "$log")
+failed=$(grep -c -- '--- FAIL:' "$log")
+if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
+	failed=1	# build failure, panic or timeout
+fi
+if [ "$rc" -ne 0 ]; then
+	echo "go client: go test exited $rc; server log:" >&2
+	tail -n 20 "$dir/server.log" >&2 2>/dev/null
+fi
+echo "$passed passed, $failed failed"
+[ "$rc" -eq 0 ] && [ "$failed" -eq 0 ]
