@@ -1,0 +1,229 @@
+"""Types and SQL shared by the sync and async guards."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import enum
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Union
+
+from psycopg import sql
+
+from .errors import InjectedFault
+
+Seconds = Union[float, int, _dt.timedelta, None]
+
+
+class Outcome(str, enum.Enum):
+    """The five outcomes of the Go guard."""
+
+    EXECUTED = "EXECUTED"        # claimed; the handler ran (see Result.failed_step)
+    REPLAYED = "REPLAYED"        # completed before with this fingerprint: stored response
+    IN_FLIGHT = "IN_FLIGHT"      # claimed and committed elsewhere, lease not over
+    CONFLICT = "CONFLICT"        # the key was used for another fingerprint
+    UNAVAILABLE = "UNAVAILABLE"  # no claim could be made; the handler did not run
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class Response:
+    """A status and a body (bytes; a str is stored as UTF-8)."""
+
+    status: int
+    body: bytes = b""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.body, str):
+            object.__setattr__(self, "body", self.body.encode("utf-8"))
+        elif self.body is None:
+            object.__setattr__(self, "body", b"")
+        elif not isinstance(self.body, bytes):
+            object.__setattr__(self, "body", bytes(self.body))
+
+
+def as_response(value: Any) -> Response:
+    """Accept a Response or a (status, body) pair from a handler."""
+    if isinstance(value, Response):
+        return value
+    if isinstance(value, tuple) and len(value) == 2:
+        return Response(int(value[0]), value[1])
+    raise TypeError("a handler must return idem_pg.Response or (status, body), got %r"
+                    % type(value).__name__)
+
+
+@dataclass
+class Result:
+    """What Guard.do did.
+
+    ``failed_step`` is None, "begin", "heartbeat", "handler" or "complete";
+    ``error`` the exception of that step.  EXECUTED with failed_step
+    "complete" means the handler ran but its response is not stored: the
+    key stays PROCESSING until its lease ends.
+    """
+
+    outcome: Outcome
+    response: Optional[Response] = None
+    token: Optional[int] = None
+    error: Optional[BaseException] = None
+    failed_step: Optional[str] = None
+    released: bool = False
+    extends: int = 0
+    superseded: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.outcome in (Outcome.EXECUTED, Outcome.REPLAYED)
+
+
+@dataclass
+class Claim:
+    """Passed to the handler: pass ``key``/``token`` downstream (fencing)."""
+
+    key: str
+    fingerprint: str
+    scope: str
+    token: int
+    _lost: Optional[threading.Event] = field(default=None, repr=False)
+
+    @property
+    def lost(self) -> bool:
+        """True once the heartbeat found the claim superseded or gone."""
+        return self._lost is not None and self._lost.is_set()
+
+
+class FailN:
+    """Fault hook: make ``op`` ("begin", "complete", "release", "extend";
+    None: any) fail ``n`` times, like the Go test's store.Fault."""
+
+    def __init__(self, op: Optional[str], n: int = 1, message: str = "store timeout"):
+        self.op = op
+        self.remaining = n
+        self.message = message
+        self._lock = threading.Lock()
+
+    def __call__(self, op: str) -> Optional[BaseException]:
+        if self.op is not None and self.op != op:
+            return None
+        with self._lock:
+            if self.remaining <= 0:
+                return None
+            self.remaining -= 1
+        return InjectedFault("%s (fault injected at %s)" % (self.message, op))
+
+
+def fault_error(fault: Optional[Callable[[str], Any]], op: str) -> Optional[BaseException]:
+    """Run the fault hook for op: an exception it returns or raises, or
+    InjectedFault for a true value; None if the step may go on."""
+    if fault is None:
+        return None
+    try:
+        got = fault(op)
+    except Exception as exc:  # noqa: BLE001 - the hook's own way to fail
+        return exc
+    if got is None or got is False:
+        return None
+    if isinstance(got, BaseException):
+        return got
+    return InjectedFault("fault injected at %s" % op)
+
+
+def interval(value: Seconds) -> Optional[_dt.timedelta]:
+    """Seconds or a timedelta as an interval parameter (None: server default)."""
+    if value is None:
+        return None
+    if isinstance(value, _dt.timedelta):
+        return value
+    return _dt.timedelta(seconds=float(value))
+
+
+def seconds(value: Seconds) -> Optional[float]:
+    if value is None:
+        return None
+    if isinstance(value, _dt.timedelta):
+        return value.total_seconds()
+    return float(value)
+
+
+def offset_text(clock_offset: Any) -> Optional[str]:
+    """idem.clock_offset for this call (a number, timedelta or a callable
+    returning one); None when not moved."""
+    value = clock_offset() if callable(clock_offset) else clock_offset
+    s = seconds(value)
+    if not s:
+        return None
+    return "%d ms" % round(s * 1000)
+
+
+class Statements:
+    """The SQL, schema-qualified, every parameter cast to its exact type;
+    bodies go as binary bytea parameters (%b)."""
+
+    def __init__(self, schema: str = "public"):
+        if not schema:
+            raise ValueError("schema must not be empty")
+        s = sql.Identifier(schema)
+        self.schema = schema
+        self.begin = sql.SQL(
+            "SELECT claimed, state, token, status, body FROM {}.idem_begin("
+            "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean)"
+        ).format(s)
+        self.complete = sql.SQL(
+            "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea, "
+            "%s::bigint, %s::interval, %s::text)"
+        ).format(s)
+        self.release = sql.SQL(
+            "SELECT {}.idem_release(%s::text, %s::bigint, %s::text)").format(s)
+        self.extend = sql.SQL(
+            "SELECT {}.idem_extend(%s::text, %s::bigint, %s::interval, %s::text)").format(s)
+        self.lookup = sql.SQL(
+            "SELECT state, token, status, lease_until, expires_at, body_size"
+            " FROM {}.idem_lookup(%s::text, %s::text)").format(s)
+
+    @staticmethod
+    def prelude(timeout_s: Optional[float], clock: Optional[str]):
+        """The SET LOCALs that go before a guard statement, or None."""
+        parts, args = [], []
+        if timeout_s:
+            parts.append("pg_catalog.set_config('statement_timeout', %s::text, true)")
+            args.append("%d" % max(1, round(timeout_s * 1000)))
+        if clock:
+            parts.append("pg_catalog.set_config('idem.clock_offset', %s::text, true)")
+            args.append(clock)
+        if not parts:
+            return None
+        return sql.SQL("SELECT " + ", ".join(parts)), args
+
+
+@dataclass(frozen=True)
+class BeginRow:
+    """The row idem_begin answered."""
+
+    claimed: bool
+    state: str
+    token: Optional[int]
+    status: Optional[int]
+    body: Optional[bytes]
+
+    @classmethod
+    def of(cls, row) -> "BeginRow":
+        claimed, state, token, status, body = row
+        if body is not None and not isinstance(body, bytes):
+            body = bytes(body)
+        return cls(bool(claimed), state, token, status, body)
+
+    def outcome(self) -> Outcome:
+        if self.claimed:
+            return Outcome.EXECUTED
+        if self.state == "DONE":
+            return Outcome.REPLAYED
+        if self.state == "CONFLICT":
+            return Outcome.CONFLICT
+        return Outcome.IN_FLIGHT
+
+    def response(self) -> Optional[Response]:
+        if self.state != "DONE" or self.claimed:
+            return None
+        return Response(self.status if self.status is not None else 0, self.body or b"")

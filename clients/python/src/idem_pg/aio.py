@@ -1,0 +1,312 @@
+"""The asyncio guard.
+
+Same protocol as idem_pg.Guard.  Cancellation is the trap here: psycopg
+does not cancel a statement whose task is cancelled (asyncio.wait_for,
+a client disconnect, a server shutdown), so an abandoned idem_begin would
+go on waiting on the server and later claim the key for its whole lease
+with nobody to complete it.  AsyncGuard catches the cancellation, sends
+the server a cancel request, closes that connection (its open transaction
+rolls back), releases a claim it already holds, and re-raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+
+import psycopg
+from psycopg import pq
+
+from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
+                      Statements, as_response, fault_error, interval,
+                      offset_text, seconds)
+from .errors import CLAIM_GONE, Timeout, Unavailable, translate
+from .guard import CANCEL_GRACE, _connect_timeout
+
+try:
+    from psycopg_pool import AsyncConnectionPool
+except ImportError:  # pragma: no cover
+    AsyncConnectionPool = None  # type: ignore[assignment,misc]
+
+_IDLE = pq.TransactionStatus.IDLE
+_IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+
+async def abort_statement(conn: psycopg.AsyncConnection) -> None:
+    """Cancel whatever the connection runs on the server, then close it
+    (psycopg cannot resume an interrupted statement; the server rolls the
+    open transaction back)."""
+    if conn.closed:
+        return
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, conn.cancel)
+    except Exception:  # noqa: BLE001 - closing ends it too
+        pass
+    try:
+        await conn.close()
+    except Exception:  # noqa: BLE001
+        pass
+
+
+class _AsyncSource:
+    def __init__(self, target: Any, timeout: Optional[float]):
+        self.target = target
+        self.timeout = timeout
+        self.lock: Optional[asyncio.Lock] = None
+        if not (isinstance(target, (str, psycopg.AsyncConnection))
+                or (AsyncConnectionPool is not None and isinstance(target, AsyncConnectionPool))
+                or callable(target)):
+            raise TypeError("AsyncGuard needs a conninfo string, a psycopg.AsyncConnection, "
+                            "a psycopg_pool.AsyncConnectionPool or an async connection factory")
+
+    @contextlib.asynccontextmanager
+    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection]:
+        t = self.target
+        if isinstance(t, str):
+            conn = await psycopg.AsyncConnection.connect(
+                t, autocommit=True, connect_timeout=_connect_timeout(self.timeout))
+            try:
+                yield conn
+            finally:
+                await conn.close()
+        elif isinstance(t, psycopg.AsyncConnection):
+            if self.lock is None:
+                self.lock = asyncio.Lock()
+            async with self.lock:
+                if t.closed:
+                    raise Unavailable("the guard's connection is closed")
+                yield t
+        elif AsyncConnectionPool is not None and isinstance(t, AsyncConnectionPool):
+            async with t.connection(timeout=self.timeout or 30.0) as conn:
+                yield conn
+        else:
+            conn = await t()
+            try:
+                yield conn
+            finally:
+                await conn.close()
+
+
+class _AsyncHeartbeat:
+    def __init__(self, guard: "AsyncGuard", claim: Claim, lease: Seconds):
+        self.guard = guard
+        self.claim = claim
+        self.lease = interval(lease)
+        self.period = (seconds(lease) or 60.0) / 3.0
+        self.lost = threading.Event()
+        self.extends = 0
+        self.last_error: Optional[BaseException] = None
+        self.task: Optional[asyncio.Task] = None
+
+    def start(self) -> None:
+        self.claim._lost = self.lost
+        self.task = asyncio.ensure_future(self._main())
+
+    async def _main(self) -> None:
+        while True:
+            await asyncio.sleep(self.period)
+            try:
+                await self.guard.extend(self.claim.key, self.claim.token, self.lease,
+                                        scope=self.claim.scope)
+                self.extends += 1
+            except CLAIM_GONE as exc:
+                self.last_error = exc
+                self.lost.set()
+                return
+            except Exception as exc:  # noqa: BLE001 - retried next period
+                self.last_error = exc
+
+    async def stop(self) -> None:
+        if self.task is not None:
+            self.task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self.task
+
+
+class AsyncGuard:
+    """asyncio version of Guard; ``connection`` is a conninfo string, a
+    ``psycopg_pool.AsyncConnectionPool`` (opened by the caller), an
+    ``AsyncConnection`` (one call at a time) or an async factory."""
+
+    def __init__(self, connection: Any, *, schema: str = "public",
+                 lease: Seconds = None, retention: Seconds = None, scope: str = "",
+                 wait: bool = True, timeout: Seconds = 5.0,
+                 keep_claim_on_error: bool = False, heartbeat: bool = False,
+                 fault: Optional[Callable[[str], Any]] = None,
+                 clock_offset: Any = None):
+        self.timeout = seconds(timeout)
+        self._source = _AsyncSource(connection, self.timeout)
+        self.sql = Statements(schema)
+        self.lease = lease
+        self.retention = retention
+        self.scope = scope
+        self.wait = wait
+        self.keep_claim_on_error = keep_claim_on_error
+        self.heartbeat = heartbeat
+        self.fault = fault
+        self.clock_offset = clock_offset
+
+    async def _exec(self, conn: psycopg.AsyncConnection, query, params, on_row):
+        if conn.closed:
+            raise Unavailable("the connection is closed")
+        if conn.info.transaction_status != _IDLE:
+            raise Unavailable("the connection is busy or inside a transaction: "
+                              "a claim made there would not commit on its own")
+        try:
+            async with conn.cursor() as cur:
+                if conn.autocommit:
+                    await cur.execute("BEGIN")
+                pre = Statements.prelude(self.timeout, offset_text(self.clock_offset))
+                if pre is not None:
+                    await cur.execute(pre[0], pre[1])
+                if self.timeout:
+                    # the server ends the wait at self.timeout; this is the backstop
+                    await asyncio.wait_for(cur.execute(query, params),
+                                           self.timeout + CANCEL_GRACE)
+                else:
+                    await cur.execute(query, params)
+                row = await cur.fetchone()
+                if on_row is not None:
+                    on_row(row)
+            await conn.commit()
+            return row
+        except asyncio.TimeoutError as exc:
+            await asyncio.shield(abort_statement(conn))
+            raise Timeout("no answer from the server in %.1f s" % (self.timeout + CANCEL_GRACE)) from exc
+        except asyncio.CancelledError:
+            await asyncio.shield(abort_statement(conn))
+            raise
+        except BaseException:
+            if not conn.closed:
+                try:
+                    if conn.info.transaction_status in _IN_TX:
+                        await conn.rollback()
+                except Exception:  # noqa: BLE001
+                    await conn.close()
+            raise
+
+    async def _run(self, op: str, query, params, on_row=None):
+        err = fault_error(self.fault, op)
+        if err is not None:
+            raise err
+        try:
+            async with self._source.connection() as conn:
+                return await self._exec(conn, query, params, on_row)
+        except Exception as exc:
+            mapped = translate(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    async def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
+                    retention: Seconds = None, scope: Optional[str] = None,
+                    wait: Optional[bool] = None, on_row=None) -> BeginRow:
+        row = await self._run("begin", self.sql.begin, [
+            key, fingerprint,
+            interval(self.lease if lease is None else lease),
+            interval(self.retention if retention is None else retention),
+            self.scope if scope is None else scope,
+            self.wait if wait is None else wait], on_row)
+        return BeginRow.of(row)
+
+    async def complete(self, key: str, fingerprint: str, status: int, body: bytes,
+                       token: int, *, retention: Seconds = None,
+                       scope: Optional[str] = None):
+        resp = Response(status, body)
+        row = await self._run("complete", self.sql.complete, [
+            key, fingerprint, resp.status, resp.body, token,
+            interval(self.retention if retention is None else retention),
+            self.scope if scope is None else scope])
+        return row[0]
+
+    async def release(self, key: str, token: int, *, scope: Optional[str] = None) -> bool:
+        row = await self._run("release", self.sql.release,
+                              [key, token, self.scope if scope is None else scope])
+        return bool(row[0])
+
+    async def extend(self, key: str, token: int, lease: Seconds = None, *,
+                     scope: Optional[str] = None):
+        row = await self._run("extend", self.sql.extend, [
+            key, token, interval(self.lease if lease is None else lease) or interval(60),
+            self.scope if scope is None else scope])
+        return row[0]
+
+    async def _release_quietly(self, result: Result, key: str, token: int, scope: str) -> None:
+        try:
+            result.released = await self.release(key, token, scope=scope)
+        except Exception as exc:  # noqa: BLE001
+            if result.error is None:
+                result.error = exc
+
+    async def do(self, key: str, fingerprint: str,
+                 handler: Callable[[Claim], Awaitable[Any]], *,
+                 scope: Optional[str] = None, lease: Seconds = None,
+                 retention: Seconds = None, wait: Optional[bool] = None) -> Result:
+        """Claim ``key``; replay, refuse, or await ``handler(claim)`` and store
+        the Response it returns.  If the calling task is cancelled, the
+        server's wait is cancelled too and a claim already made is released."""
+        scope = self.scope if scope is None else scope
+        lease = self.lease if lease is None else lease
+        retention = self.retention if retention is None else retention
+        result = Result(Outcome.UNAVAILABLE)
+        got = {}
+
+        def seen(row):
+            if row is not None and row[0]:
+                got["token"] = row[2]
+
+        try:
+            row = await self.begin(key, fingerprint, lease=lease, retention=retention,
+                                   scope=scope, wait=wait, on_row=seen)
+        except asyncio.CancelledError:
+            if "token" in got:  # claimed, and the COMMIT may have gone through
+                await asyncio.shield(self._release_quietly(result, key, got["token"], scope))
+            raise
+        except Exception as exc:  # noqa: BLE001
+            if "token" in got:
+                await asyncio.shield(self._release_quietly(result, key, got["token"], scope))
+            result.error = translate(exc)
+            result.failed_step = "begin"
+            return result
+        outcome = row.outcome()
+        if outcome is not Outcome.EXECUTED:
+            result.outcome = outcome
+            result.response = row.response()
+            return result
+
+        result.token = row.token
+        claim = Claim(key, fingerprint, scope, row.token)
+        hb = None
+        if self.heartbeat:
+            hb = _AsyncHeartbeat(self, claim, lease)
+            hb.start()
+
+        result.outcome = Outcome.EXECUTED
+        try:
+            resp = as_response(await handler(claim))
+        except BaseException as exc:
+            if hb is not None:
+                await asyncio.shield(hb.stop())
+                result.extends, result.superseded = hb.extends, hb.lost.is_set()
+            result.error = exc
+            result.failed_step = "handler"
+            if not self.keep_claim_on_error:
+                await asyncio.shield(self._release_quietly(result, key, row.token, scope))
+                result.error = exc
+            if not isinstance(exc, Exception):
+                raise
+            return result
+        if hb is not None:
+            await hb.stop()
+            result.extends, result.superseded = hb.extends, hb.lost.is_set()
+
+        result.response = resp
+        try:
+            await self.complete(key, fingerprint, resp.status, resp.body, row.token,
+                                retention=retention, scope=scope)
+        except Exception as exc:  # noqa: BLE001
+            result.error = translate(exc)
+            result.failed_step = "complete"
+        return result

@@ -1,0 +1,162 @@
+"""The one-transaction pattern on the caller's connection.
+
+    with idem_pg.atomic(conn, "order-42", "sku=A&qty=1") as tx:
+        if not tx.claimed:
+            return tx.outcome, tx.response       # REPLAYED / CONFLICT / IN_FLIGHT
+        conn.execute("UPDATE stock SET qty = qty - 1 WHERE sku = 'A'")
+        tx.complete(201, b'{"order":42}')
+
+The claim, the business writes and the stored response commit together
+(``conn.transaction()``: a transaction, or a savepoint inside the caller's
+one).  An exception in the block rolls all of it back and the key is free
+again; a claim left without ``complete()`` is rolled back too and raises
+ClaimNotCompleted.  A concurrent retry waits for this transaction, then
+replays.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any, AsyncIterator, Iterator, Optional
+
+import psycopg
+
+from ._common import BeginRow, Outcome, Response, Seconds, Statements, interval, seconds
+from .aio import abort_statement
+from .errors import ClaimNotCompleted, translate
+
+_LOCK_TIMEOUT = ("SELECT pg_catalog.current_setting('lock_timeout'),"
+                 " pg_catalog.set_config('lock_timeout', %s::text, true)")
+_RESTORE = "SELECT pg_catalog.set_config('lock_timeout', %s::text, true)"
+
+
+class Atomic:
+    """The claim inside the caller's transaction."""
+
+    def __init__(self, conn, st: Statements, key: str, fingerprint: str,
+                 scope: str, retention: Seconds):
+        self.conn = conn
+        self._sql = st
+        self.key = key
+        self.fingerprint = fingerprint
+        self.scope = scope
+        self.retention = retention
+        self.row: Optional[BeginRow] = None
+        self.completed = False
+        self.expires_at = None
+
+    @property
+    def outcome(self) -> Outcome:
+        return self.row.outcome()
+
+    @property
+    def claimed(self) -> bool:
+        return self.row.claimed
+
+    @property
+    def token(self) -> Optional[int]:
+        return self.row.token
+
+    @property
+    def response(self) -> Optional[Response]:
+        """The stored response when REPLAYED."""
+        return self.row.response()
+
+    def _complete_args(self, status: int, body: Any, retention: Seconds):
+        if not self.claimed:
+            raise ClaimNotCompleted("complete() without a claim (outcome %s)" % self.outcome)
+        resp = Response(status, body)
+        return [self.key, self.fingerprint, resp.status, resp.body, None,
+                interval(self.retention if retention is None else retention), self.scope]
+
+    def complete(self, status: int, body: Any = b"", *, retention: Seconds = None):
+        """Store the response in this transaction; returns expires_at."""
+        try:
+            with self.conn.cursor() as cur:
+                cur.execute(self._sql.complete, self._complete_args(status, body, retention))
+                self.expires_at = cur.fetchone()[0]
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        self.completed = True
+        return self.expires_at
+
+
+class AsyncAtomic(Atomic):
+    async def complete(self, status: int, body: Any = b"", *,  # type: ignore[override]
+                       retention: Seconds = None):
+        try:
+            async with self.conn.cursor() as cur:
+                await cur.execute(self._sql.complete, self._complete_args(status, body, retention))
+                self.expires_at = (await cur.fetchone())[0]
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        self.completed = True
+        return self.expires_at
+
+
+def _ms(value: Seconds) -> str:
+    return "%d" % max(1, round(seconds(value) * 1000))
+
+
+@contextlib.contextmanager
+def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
+           schema: str = "public", lease: Seconds = None, retention: Seconds = None,
+           scope: str = "", wait: bool = True,
+           lock_timeout: Seconds = None) -> Iterator[Atomic]:
+    """Claim ``key`` in a transaction on ``conn`` (see the module doc).
+    ``lock_timeout`` bounds the wait for another transaction holding the
+    key (Timeout, 55P03), and is restored after the claim."""
+    st = Statements(schema)
+    with conn.transaction():
+        tx = Atomic(conn, st, key, fingerprint, scope, retention)
+        try:
+            with conn.cursor() as cur:
+                prev = None
+                if lock_timeout is not None:
+                    cur.execute(_LOCK_TIMEOUT, [_ms(lock_timeout)])
+                    prev = cur.fetchone()[0]
+                cur.execute(st.begin, [key, fingerprint, interval(lease),
+                                       interval(retention), scope, wait])
+                tx.row = BeginRow.of(cur.fetchone())
+                if prev is not None:
+                    cur.execute(_RESTORE, [prev])
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        yield tx
+        if tx.claimed and not tx.completed:
+            raise ClaimNotCompleted("the block claimed %r but did not call complete(): "
+                                    "rolled back" % key)
+
+
+@contextlib.asynccontextmanager
+async def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
+                       schema: str = "public", lease: Seconds = None,
+                       retention: Seconds = None, scope: str = "", wait: bool = True,
+                       lock_timeout: Seconds = None) -> AsyncIterator[AsyncAtomic]:
+    """asyncio version of atomic().  If the task is cancelled while the
+    claim waits, the wait is cancelled on the server and ``conn`` is closed
+    (its transaction rolls back): psycopg cannot resume the statement."""
+    st = Statements(schema)
+    async with conn.transaction():
+        tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention)
+        try:
+            async with conn.cursor() as cur:
+                prev = None
+                if lock_timeout is not None:
+                    await cur.execute(_LOCK_TIMEOUT, [_ms(lock_timeout)])
+                    prev = (await cur.fetchone())[0]
+                await cur.execute(st.begin, [key, fingerprint, interval(lease),
+                                             interval(retention), scope, wait])
+                tx.row = BeginRow.of(await cur.fetchone())
+                if prev is not None:
+                    await cur.execute(_RESTORE, [prev])
+        except asyncio.CancelledError:
+            await asyncio.shield(abort_statement(conn))
+            raise
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+        yield tx
+        if tx.claimed and not tx.completed:
+            raise ClaimNotCompleted("the block claimed %r but did not call complete(): "
+                                    "rolled back" % key)

@@ -1,0 +1,129 @@
+"""Exceptions named for idem's SQLSTATEs.
+
+Every exception the library raises for a server answer is an IdemError;
+the psycopg error it came from is its ``__cause__``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Optional
+
+import psycopg
+
+try:  # the pool is optional
+    from psycopg_pool import PoolTimeout, PoolClosed
+except ImportError:  # pragma: no cover
+    PoolTimeout = PoolClosed = ()  # type: ignore[assignment,misc]
+
+
+class IdemError(Exception):
+    """Base class; ``sqlstate`` is the server's code, or None."""
+
+    sqlstate: Optional[str] = None
+
+    def __init__(self, message: str = "", sqlstate: Optional[str] = None):
+        super().__init__(message)
+        if sqlstate is not None:
+            self.sqlstate = sqlstate
+
+
+class FingerprintMismatch(IdemError):
+    """ID001: idem_complete with a fingerprint other than the claim's."""
+
+    sqlstate = "ID001"
+
+
+class TokenSuperseded(IdemError):
+    """ID002: another caller took the key over after the lease."""
+
+    sqlstate = "ID002"
+
+
+class NoLiveClaim(IdemError):
+    """ID003: the key is missing or expired, or a NULL token outside the claiming transaction."""
+
+    sqlstate = "ID003"
+
+
+class AlreadyCompleted(IdemError):
+    """ID004: completed already (another response), or release/extend of a completed key."""
+
+    sqlstate = "ID004"
+
+
+class Unavailable(IdemError):
+    """The store cannot answer: connection refused or lost, read-only server
+    (25006), shutdown, pool exhausted.  A guard never runs the handler then."""
+
+
+class Timeout(Unavailable):
+    """A wait ended by a timeout: statement_timeout or a cancel (57014),
+    lock_timeout (55P03), or the client-side deadline."""
+
+
+class InvalidArgument(IdemError, ValueError):
+    """22004, 22023, 22001: NULL, empty or too long key, bad lease or retention."""
+
+
+class BodyTooLarge(InvalidArgument):
+    """54000: the body is larger than idem.max_body_size."""
+
+    sqlstate = "54000"
+
+
+class ClaimNotCompleted(IdemError, RuntimeError):
+    """The one-transaction helper's block claimed the key but did not call complete()."""
+
+
+class InjectedFault(IdemError):
+    """Raised by a fault hook (tests and drills), like the Go store's Fault."""
+
+
+_BY_STATE = {
+    "ID001": FingerprintMismatch,
+    "ID002": TokenSuperseded,
+    "ID003": NoLiveClaim,
+    "ID004": AlreadyCompleted,
+    "25006": Unavailable,       # read_only_sql_transaction: a standby or read-only server
+    "57014": Timeout,           # query_canceled: statement_timeout or a cancel request
+    "55P03": Timeout,           # lock_not_available: lock_timeout
+    "22004": InvalidArgument,
+    "22023": InvalidArgument,
+    "22001": InvalidArgument,
+    "54000": BodyTooLarge,
+}
+
+CLAIM_GONE = (TokenSuperseded, NoLiveClaim, AlreadyCompleted)
+
+
+def translate(exc: BaseException) -> BaseException:
+    """Map a driver, pool or socket error to an IdemError (others unchanged)."""
+    if isinstance(exc, IdemError):
+        return exc
+    if isinstance(exc, psycopg.Error):
+        state = exc.sqlstate
+        message = exc.diag.message_primary or str(exc).strip() if state else str(exc).strip()
+        cls = _BY_STATE.get(state or "")
+        if cls is None:
+            if state is None or state[:2] in ("08", "57", "53", "58", "3D", "28"):
+                # no answer at all (connection), shutdown, resources, no database, auth
+                cls = Unavailable
+            else:
+                return exc
+        err = cls(message or cls.__name__, sqlstate=state)
+        err.__cause__ = exc
+        return err
+    if PoolTimeout and isinstance(exc, (PoolTimeout, PoolClosed)):
+        err = Unavailable(str(exc) or "connection pool timeout")
+        err.__cause__ = exc
+        return err
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        err = Timeout(str(exc) or "timed out")
+        err.__cause__ = exc
+        return err
+    if isinstance(exc, OSError):
+        err = Unavailable(str(exc))
+        err.__cause__ = exc
+        return err
+    return exc

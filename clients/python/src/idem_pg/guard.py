@@ -1,0 +1,323 @@
+"""The synchronous guard: claim, run the handler, store the response.
+
+Every server call runs in its own explicit transaction (BEGIN ... COMMIT
+on a connection found idle), so a claim commits on its own whatever the
+connection's autocommit setting: a concurrent retry sees it in flight
+instead of waiting for a transaction nobody ends.  With ``timeout`` set,
+each call runs under ``SET LOCAL statement_timeout`` and, as a backstop, a
+cancel request is sent if the server has not answered shortly after, so a
+wait given up on the client is given up on the server too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from typing import Any, Callable, Iterator, Optional
+
+import psycopg
+from psycopg import pq
+
+from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
+                      Statements, as_response, fault_error, interval,
+                      offset_text, seconds)
+from .errors import CLAIM_GONE, Unavailable, translate
+
+try:
+    from psycopg_pool import ConnectionPool
+except ImportError:  # pragma: no cover
+    ConnectionPool = None  # type: ignore[assignment,misc]
+
+# How long after the server-side timeout the client sends its own cancel.
+CANCEL_GRACE = 1.0
+
+_IDLE = pq.TransactionStatus.IDLE
+_IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
+
+
+def _connect_timeout(timeout: Optional[float]) -> int:
+    # libpq's connect_timeout is whole seconds, and at least 2.
+    return max(2, math.ceil(timeout)) if timeout else 10
+
+
+class _Source:
+    """Where the guard gets a connection for one call."""
+
+    def __init__(self, target: Any, timeout: Optional[float]):
+        self.target = target
+        self.timeout = timeout
+        self.lock = threading.Lock()
+        if not (isinstance(target, (str, psycopg.Connection))
+                or (ConnectionPool is not None and isinstance(target, ConnectionPool))
+                or callable(target)):
+            raise TypeError("Guard needs a conninfo string, a psycopg.Connection, "
+                            "a psycopg_pool.ConnectionPool or a connection factory")
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[psycopg.Connection]:
+        t = self.target
+        if isinstance(t, str):
+            conn = psycopg.connect(t, autocommit=True,
+                                   connect_timeout=_connect_timeout(self.timeout))
+            try:
+                yield conn
+            finally:
+                conn.close()
+        elif isinstance(t, psycopg.Connection):
+            # One connection: one call at a time (a call is several statements).
+            with self.lock:
+                if t.closed:
+                    raise Unavailable("the guard's connection is closed")
+                yield t
+        elif ConnectionPool is not None and isinstance(t, ConnectionPool):
+            with t.connection(timeout=self.timeout or 30.0) as conn:
+                yield conn
+        else:
+            conn = t()
+            try:
+                yield conn
+            finally:
+                conn.close()
+
+
+def _rollback_quietly(conn: psycopg.Connection) -> None:
+    if conn.closed:
+        return
+    try:
+        if conn.info.transaction_status in _IN_TX:
+            conn.rollback()
+    except Exception:  # noqa: BLE001 - the link is broken: drop it
+        conn.close()
+
+
+class _Heartbeat:
+    """Extends one claim's lease every third of it until stopped or lost."""
+
+    def __init__(self, guard: "Guard", claim: Claim, lease: Seconds):
+        self.guard = guard
+        self.claim = claim
+        self.lease = interval(lease)
+        self.period = (seconds(lease) or 60.0) / 3.0
+        self.stop_event = threading.Event()
+        self.lost = threading.Event()
+        self.extends = 0
+        self.last_error: Optional[BaseException] = None
+        self.thread = threading.Thread(target=self._main, name="idem-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.claim._lost = self.lost
+        self.thread.start()
+
+    def _main(self) -> None:
+        while not self.stop_event.wait(self.period):
+            try:
+                self.guard.extend(self.claim.key, self.claim.token,
+                                  self.lease, scope=self.claim.scope)
+                self.extends += 1
+            except CLAIM_GONE as exc:
+                self.last_error = exc
+                self.lost.set()
+                return
+            except Exception as exc:  # noqa: BLE001 - retried next period
+                self.last_error = exc
+
+    def stop(self) -> None:
+        self.stop_event.set()
+        self.thread.join()
+
+
+class Guard:
+    """Runs a handler at most once per key within the dedup window.
+
+    ``connection``: a conninfo string (a connection per call), a
+    ``psycopg_pool.ConnectionPool``, a ``psycopg.Connection`` (used by one
+    call at a time), or a factory returning a new connection.  The
+    connection is not held while the handler runs.
+    """
+
+    def __init__(self, connection: Any, *, schema: str = "public",
+                 lease: Seconds = None, retention: Seconds = None, scope: str = "",
+                 wait: bool = True, timeout: Seconds = 5.0,
+                 keep_claim_on_error: bool = False, heartbeat: bool = False,
+                 fault: Optional[Callable[[str], Any]] = None,
+                 clock_offset: Any = None):
+        self.timeout = seconds(timeout)
+        self._source = _Source(connection, self.timeout)
+        self.sql = Statements(schema)
+        self.lease = lease
+        self.retention = retention
+        self.scope = scope
+        self.wait = wait
+        self.keep_claim_on_error = keep_claim_on_error
+        self.heartbeat = heartbeat
+        self.fault = fault
+        self.clock_offset = clock_offset
+
+    # -- one call, one transaction ------------------------------------------
+
+    def _exec(self, conn: psycopg.Connection, query, params,
+              on_row: Optional[Callable[[Any], None]]):
+        if conn.closed:
+            raise Unavailable("the connection is closed")
+        if conn.info.transaction_status != _IDLE:
+            raise Unavailable("the connection is busy or inside a transaction: "
+                              "a claim made there would not commit on its own")
+        timer = None
+        try:
+            with conn.cursor() as cur:
+                if conn.autocommit:
+                    cur.execute("BEGIN")
+                # (without autocommit psycopg has just begun the transaction itself)
+                pre = Statements.prelude(self.timeout, offset_text(self.clock_offset))
+                if pre is not None:
+                    cur.execute(pre[0], pre[1])
+                if self.timeout:
+                    timer = threading.Timer(self.timeout + CANCEL_GRACE, conn.cancel)
+                    timer.daemon = True
+                    timer.start()
+                cur.execute(query, params)
+                row = cur.fetchone()
+                if on_row is not None:
+                    on_row(row)
+            conn.commit()
+            return row
+        except BaseException:
+            _rollback_quietly(conn)
+            raise
+        finally:
+            if timer is not None:
+                timer.cancel()
+
+    def _run(self, op: str, query, params, on_row=None):
+        err = fault_error(self.fault, op)
+        if err is not None:
+            raise err
+        try:
+            with self._source.connection() as conn:
+                return self._exec(conn, query, params, on_row)
+        except Exception as exc:
+            mapped = translate(exc)
+            if mapped is exc:
+                raise
+            raise mapped from exc
+
+    # -- the SQL functions, named exceptions on failure -------------------------
+
+    def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
+              retention: Seconds = None, scope: Optional[str] = None,
+              wait: Optional[bool] = None) -> BeginRow:
+        """idem_begin in its own committed transaction."""
+        row = self._run("begin", self.sql.begin, [
+            key, fingerprint,
+            interval(self.lease if lease is None else lease),
+            interval(self.retention if retention is None else retention),
+            self.scope if scope is None else scope,
+            self.wait if wait is None else wait])
+        return BeginRow.of(row)
+
+    def complete(self, key: str, fingerprint: str, status: int, body: bytes,
+                 token: int, *, retention: Seconds = None,
+                 scope: Optional[str] = None):
+        """idem_complete with the claim's token; returns the new expires_at."""
+        resp = Response(status, body)
+        row = self._run("complete", self.sql.complete, [
+            key, fingerprint, resp.status, resp.body, token,
+            interval(self.retention if retention is None else retention),
+            self.scope if scope is None else scope])
+        return row[0]
+
+    def release(self, key: str, token: int, *, scope: Optional[str] = None) -> bool:
+        """idem_release: True if the claim was deleted."""
+        row = self._run("release", self.sql.release,
+                        [key, token, self.scope if scope is None else scope])
+        return bool(row[0])
+
+    def extend(self, key: str, token: int, lease: Seconds = None, *,
+               scope: Optional[str] = None):
+        """idem_extend: moves lease_until to now + lease; returns it."""
+        row = self._run("extend", self.sql.extend, [
+            key, token, interval(self.lease if lease is None else lease) or interval(60),
+            self.scope if scope is None else scope])
+        return row[0]
+
+    def lookup(self, key: str, *, scope: Optional[str] = None):
+        """idem_lookup (needs the operator grant): a dict, or None."""
+        row = self._run("lookup", self.sql.lookup,
+                        [key, self.scope if scope is None else scope])
+        if row is None:
+            return None
+        names = ("state", "token", "status", "lease_until", "expires_at", "body_size")
+        return dict(zip(names, row))
+
+    # -- the guard ---------------------------------------------------------------
+
+    def _release_quietly(self, result: Result, key: str, token: int, scope: str) -> None:
+        try:
+            result.released = self.release(key, token, scope=scope)
+        except Exception as exc:  # noqa: BLE001 - reported, the lease ends it
+            if result.error is None:
+                result.error = exc
+
+    def do(self, key: str, fingerprint: str, handler: Callable[[Claim], Any], *,
+           scope: Optional[str] = None, lease: Seconds = None,
+           retention: Seconds = None, wait: Optional[bool] = None) -> Result:
+        """Claim ``key``; replay, refuse, or run ``handler(claim)`` and store
+        the Response it returns.  Never raises for the store: see Result."""
+        scope = self.scope if scope is None else scope
+        lease = self.lease if lease is None else lease
+        retention = self.retention if retention is None else retention
+        result = Result(Outcome.UNAVAILABLE)
+        try:
+            row = self.begin(key, fingerprint, lease=lease, retention=retention,
+                             scope=scope, wait=wait)
+        except Exception as exc:  # noqa: BLE001 - no claim, no handler
+            result.error = translate(exc)
+            result.failed_step = "begin"
+            return result
+        outcome = row.outcome()
+        if outcome is not Outcome.EXECUTED:
+            result.outcome = outcome
+            result.response = row.response()
+            return result
+
+        result.token = row.token
+        claim = Claim(key, fingerprint, scope, row.token)
+        hb = None
+        if self.heartbeat:
+            try:
+                hb = _Heartbeat(self, claim, lease)
+                hb.start()
+            except Exception as exc:  # noqa: BLE001 - no heartbeat, do not run
+                result.error = exc
+                result.failed_step = "heartbeat"
+                self._release_quietly(result, key, row.token, scope)
+                return result
+
+        result.outcome = Outcome.EXECUTED
+        try:
+            resp = as_response(handler(claim))
+        except BaseException as exc:
+            if hb is not None:
+                hb.stop()
+                result.extends, result.superseded = hb.extends, hb.lost.is_set()
+            result.error = exc
+            result.failed_step = "handler"
+            if not self.keep_claim_on_error:
+                self._release_quietly(result, key, row.token, scope)
+                result.error = exc
+            if not isinstance(exc, Exception):
+                raise
+            return result
+        if hb is not None:
+            hb.stop()
+            result.extends, result.superseded = hb.extends, hb.lost.is_set()
+
+        result.response = resp
+        try:
+            self.complete(key, fingerprint, resp.status, resp.body, row.token,
+                          retention=retention, scope=scope)
+        except Exception as exc:  # noqa: BLE001 - executed, not stored
+            result.error = translate(exc)
+            result.failed_step = "complete"
+        return result

@@ -1,0 +1,201 @@
+"""Fixtures: the test cluster (IDEM_TEST_DSN, set by test.sh), a DSN where
+no server listens, app servers as real processes or threads."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import psycopg
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SRC = os.path.join(os.path.dirname(HERE), "src")
+
+DSN = os.environ.get("IDEM_TEST_DSN", "")
+DOWN_DSN = os.environ.get("IDEM_TEST_DOWN_DSN", "")
+if not DSN or not DOWN_DSN:
+    raise RuntimeError("run the tests with clients/python/test.sh "
+                       "(it sets IDEM_TEST_DSN and IDEM_TEST_DOWN_DSN)")
+
+
+def new_key(prefix: str = "k") -> str:
+    return "%s-%s" % (prefix, uuid.uuid4().hex[:12])
+
+
+def lookup(conn, key, scope=""):
+    """The stored row of a key as a dict (operator view), or None."""
+    row = conn.execute(
+        "SELECT state, token, status, lease_until, expires_at, body_size"
+        " FROM public.idem_lookup(%s::text, %s::text)", [key, scope]).fetchone()
+    if row is None:
+        return None
+    return dict(zip(("state", "token", "status", "lease_until", "expires_at",
+                     "body_size"), row))
+
+
+def wait_for(predicate, timeout=10.0, step=0.02, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("timed out waiting for %s" % what)
+
+
+@pytest.fixture(scope="session")
+def dsn():
+    return DSN
+
+
+@pytest.fixture(scope="session")
+def down_dsn():
+    return DOWN_DSN
+
+
+@pytest.fixture(scope="session", autouse=True)
+def schema_setup():
+    with psycopg.connect(DSN, autocommit=True) as c:
+        c.execute("CREATE TABLE IF NOT EXISTS http_calls ("
+                  " id bigserial PRIMARY KEY, app text, tenant text, key text,"
+                  " path text, at timestamptz DEFAULT clock_timestamp())")
+        c.execute("CREATE TABLE IF NOT EXISTS stock (sku text PRIMARY KEY, qty int NOT NULL)")
+        c.execute("CREATE TABLE IF NOT EXISTS orders (key text PRIMARY KEY, sku text, qty int)")
+    yield
+
+
+@pytest.fixture
+def db():
+    conn = psycopg.connect(DSN, autocommit=True)
+    yield conn
+    conn.close()
+
+
+def calls(conn, key=None, app=None):
+    q, args = "SELECT count(*) FROM http_calls WHERE true", []
+    if key is not None:
+        q += " AND key = %s"
+        args.append(key)
+    if app is not None:
+        q += " AND app = %s"
+        args.append(app)
+    return conn.execute(q, args).fetchone()[0]
+
+
+# -- app servers -----------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _record_pid(pid: int) -> None:
+    path = os.environ.get("IDEM_TEST_PIDFILE")
+    if path:
+        with open(path, "a") as f:
+            f.write("%d\n" % pid)
+
+
+class UvicornServer:
+    """tests/apps/asgi_app.py under uvicorn, a real server process."""
+
+    def __init__(self, lease: float = 30.0):
+        self.lease = lease
+        self.proc = None
+        self.port = None
+
+    @property
+    def url(self) -> str:
+        return "http://127.0.0.1:%d" % self.port
+
+    def start(self) -> "UvicornServer":
+        self.port = free_port()
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join([SRC, HERE])
+        env["IDEM_TEST_LEASE"] = str(self.lease)
+        env["PYTHONDONTWRITEBYTECODE"] = "1"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", "apps.asgi_app:app", "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning"],
+            env=env, cwd=HERE)
+        _record_pid(self.proc.pid)
+
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError("uvicorn exited with %s" % self.proc.returncode)
+            try:
+                return httpx.get(self.url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+        wait_for(ready, timeout=20, step=0.1, what="uvicorn to answer")
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, requests in progress see their connection cut."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class WerkzeugServer:
+    """tests/apps/wsgi_app.py (Flask) under werkzeug's threaded server."""
+
+    def __init__(self):
+        from werkzeug.serving import make_server
+        from apps.wsgi_app import app
+        self.server = make_server("127.0.0.1", 0, app, threaded=True)
+        self.port = self.server.port
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return "http://127.0.0.1:%d" % self.port
+
+    def start(self) -> "WerkzeugServer":
+        self.thread.start()
+        wait_for(lambda: httpx.get(self.url + "/health", timeout=1).status_code == 200,
+                 what="werkzeug to answer")
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="session")
+def asgi_server():
+    server = UvicornServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def wsgi_server():
+    server = WerkzeugServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(params=["asgi", "wsgi"])
+def server(request):
+    """Each HTTP test runs against the FastAPI/Starlette app under uvicorn
+    and against the Flask app under werkzeug."""
+    return request.getfixturevalue(request.param + "_server")
