@@ -8,7 +8,7 @@
 
 EXTENSION = idem
 MODULE_big = idem
-OBJS = src/idem.o src/store.o src/keys.o src/purge.o src/sha256.o src/stats.o src/worker.o \
+OBJS = src/idem.o src/keytable.o src/keys.o src/purge.o src/sha256.o src/stats.o src/worker.o \
 	src/inspect.o
 DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"

@@ -81,12 +81,11 @@ SELECT keys_digest() = :'digest0' AS unchanged;
 
 -- The limits themselves are allowed: a 255-byte key and scope, a lease as
 -- long as the retention, a retention of exactly idem.max_retention (however
--- it is written), a body of exactly idem.max_body_size.
+-- it is written in days or hours), a body of exactly idem.max_body_size.
 SELECT claimed, state FROM idem_begin(repeat('k', 255), 'fp', scope => repeat('s', 255));
 SELECT claimed, state FROM idem_begin('bad-limits-1', 'fp', lease => '1 hour', retention => '1 hour');
 SELECT claimed, state FROM idem_begin('bad-limits-2', 'fp', retention => '30 days');
 SELECT claimed, state FROM idem_begin('bad-limits-3', 'fp', retention => '720 hours');
-SELECT claimed, state FROM idem_begin('bad-limits-4', 'fp', retention => '1 mon');
 SELECT idem_complete('bad-key', 'fp', 200, convert_to(repeat('b', 1024 * 1024), 'UTF8'), :tok) IS NOT NULL AS completed;
 SELECT state, status, length(body) FROM idem_begin('bad-key', 'fp');
 
@@ -102,3 +101,19 @@ SELECT claimed, state, expires_at - lease_until AS retention_minus_lease
 SELECT try($$SELECT idem_begin('bad-dst-2', 'fp', retention => '30 days 1 second')$$);
 RESET idem.clock_offset;
 RESET timezone;
+
+-- A month is as long as the calendar month it starts in: '1 mon' from
+-- 5 January is 31 days, beyond the 30-day idem.max_retention; from
+-- 5 February 2030 it is 28 days, within it.
+SELECT set_config('idem.clock_offset',
+       round(extract(epoch FROM timestamptz '2030-01-05 12:00 UTC'
+                                - clock_timestamp()))::bigint::text, false) IS NOT NULL AS clock_moved;
+SELECT try($$SELECT idem_begin('bad-month', 'fp', retention => '1 mon')$$);
+SELECT try($$SELECT idem_begin('bad-month', 'fp', lease => '1 mon')$$);
+SELECT count(*) AS stored FROM idem.keys WHERE key = 'bad-month';
+SELECT set_config('idem.clock_offset',
+       round(extract(epoch FROM timestamptz '2030-02-05 12:00 UTC'
+                                - clock_timestamp()))::bigint::text, false) IS NOT NULL AS clock_moved;
+SELECT claimed, state, expires_at - lease_until AS retention_minus_lease
+  FROM idem_begin('bad-month', 'fp', retention => '1 mon');
+RESET idem.clock_offset;

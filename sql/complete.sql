@@ -19,16 +19,23 @@ SELECT claimed, state, status, convert_from(body, 'UTF8') AS body,
        expires_at = :'exp' AS same_expiry
   FROM idem_begin('c-token', 'fp');
 
--- The retention counts from the completion, not from the claim, and takes
--- idem.clock_offset into account; without retention the default (24 h) applies.
-SELECT token AS tok FROM idem_begin('c-later', 'fp', lease => '30 seconds', retention => '1 hour') \gset
+-- Without retention, completing keeps the window the claim was given (here
+-- 1 hour, not idem.default_retention's 24 hours).  A retention given to
+-- idem_complete counts from the completion and takes idem.clock_offset
+-- into account.
+SELECT token AS tok, expires_at AS claim_exp
+  FROM idem_begin('c-later', 'fp', lease => '30 seconds', retention => '1 hour') \gset
+SELECT idem_complete('c-later', 'fp', 200, 'ok', :tok) = :'claim_exp'::timestamptz AS claim_window_kept;
+SELECT expires_at = :'claim_exp'::timestamptz AS stored_window_kept
+  FROM idem.keys WHERE key = 'c-later';
+SELECT token AS tok FROM idem_begin('c-later-2', 'fp', lease => '30 seconds', retention => '1 hour') \gset
 SET idem.clock_offset = '20s';
 SELECT clock_timestamp() AS t0 \gset
-SELECT idem_complete('c-later', 'fp', 200, 'ok', :tok) AS exp \gset
+SELECT idem_complete('c-later-2', 'fp', 200, 'ok', :tok, retention => '2 hours') AS exp \gset
 SELECT clock_timestamp() AS t1 \gset
 RESET idem.clock_offset;
-SELECT :'exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '24 hours 20 seconds'
-                              AND :'t1'::timestamptz + interval '24 hours 20 seconds' AS exp_from_offset_now;
+SELECT :'exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 hours 20 seconds'
+                              AND :'t1'::timestamptz + interval '2 hours 20 seconds' AS exp_from_offset_now;
 
 -- Inside the claiming transaction the token may be NULL.
 BEGIN;

@@ -127,8 +127,7 @@ SELECT :'h2_claimed' AS other_scope_claimed, :h2_tok > :h_tok AS other_scope_tok
        :'cf_state' AS conflict_state;
 SELECT :'h_extended'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 minutes'
                                       AND :'t1'::timestamptz + interval '2 minutes' AS extended,
-       :'h_done_exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '1 day'
-                                      AND :'t1'::timestamptz + interval '1 day' AS completed_window;
+       :'h_done_exp'::timestamptz = :'h_exp'::timestamptz AS completed_window;
 SELECT :'rp_claimed' AS replay_claimed, :'rp_state' AS replay_state, :rp_status AS replay_status,
        convert_from(:'rp_body'::bytea, 'UTF8') AS replay_body,
        :'lk_state' AS lookup_state, :lk_token = :h_tok AS lookup_token, :lk_size AS lookup_size,

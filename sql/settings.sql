@@ -94,12 +94,10 @@ SELECT claimed, expires_at - lease_until AS retention_minus_lease,
        lease_until BETWEEN :'t0'::timestamptz + interval '5 minutes'
                        AND :'t1'::timestamptz + interval '5 minutes' AS lease_from_now
   FROM d1;
-SELECT token AS tok FROM d1 \gset
-SELECT clock_timestamp() AS t0 \gset
-SELECT idem_complete('set-defaults', 'fp', 200, 'x', :tok) AS exp \gset
-SELECT clock_timestamp() AS t1 \gset
-SELECT :'exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 hours'
-                              AND :'t1'::timestamptz + interval '2 hours' AS window_from_now;
+SELECT token AS tok, expires_at AS claim_exp FROM d1 \gset
+SELECT :'claim_exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 hours'
+                                    AND :'t1'::timestamptz + interval '2 hours' AS window_from_now;
+SELECT idem_complete('set-defaults', 'fp', 200, 'x', :tok) = :'claim_exp'::timestamptz AS claim_window_kept;
 SELECT claimed FROM idem_begin('set-defaults-2', 'fp', lease => '1 minute');
 SELECT token AS tok FROM idem.keys WHERE key = 'set-defaults-2' \gset
 SELECT clock_timestamp() AS t0 \gset
@@ -122,7 +120,7 @@ SELECT keys_digest() = :'digest0' AS unchanged;
 SELECT claimed FROM idem_begin('set-max', 'fp', retention => '1 hour');
 SELECT token AS tok FROM idem.keys WHERE key = 'set-max' \gset
 SELECT keys_digest() AS digest0 \gset
-SELECT try($$SELECT idem_complete('set-max', 'fp', 200, 'x', $$ || :tok || $$)$$);
+SELECT try($$SELECT idem_complete('set-max', 'fp', 200, 'x', $$ || :tok || $$, retention => '2 hours')$$);
 SELECT try($$SELECT idem_extend('set-max', $$ || :tok || $$, '2 hours')$$);
 SELECT keys_digest() = :'digest0' AS unchanged;
 SELECT idem_complete('set-max', 'fp', 200, 'x', :tok, retention => '1 hour') IS NOT NULL AS completed;

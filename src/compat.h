@@ -8,8 +8,6 @@
  *	  inline #if PG_VERSION_NUM (grep for PG_VERSION_NUM under src):
  *	  - src/worker.c, launcher_wait_event(): custom wait event names for
  *		extensions (WaitEventExtensionNew) from 17 on.
- *	  - src/keys.c, update_row(): simple_heap_update reports which indexes
- *		need a new entry from 16 on.
  *	  The background worker entry points in src/worker.c are PGDLLEXPORT:
  *	  from 16 on, symbols are hidden unless exported.
  *
@@ -19,6 +17,8 @@
 #define IDEM_COMPAT_H
 
 #include "fmgr.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
 
 #if PG_VERSION_NUM < 150000
 #error "idem needs PostgreSQL 15 or later"
@@ -55,6 +55,29 @@
 #else
 #define idem_index_beginscan(heap, index, snapshot, nkeys, norderbys) \
 	index_beginscan((heap), (index), (snapshot), (nkeys), (norderbys))
+#endif
+
+/*
+ * simple_heap_update, returning whether the new version needs index
+ * entries (it is not a HOT update).  From 16 on simple_heap_update reports
+ * which indexes need one.
+ */
+#if PG_VERSION_NUM >= 160000
+static inline bool
+idem_simple_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple)
+{
+	TU_UpdateIndexes update_indexes;
+
+	simple_heap_update(rel, otid, tuple, &update_indexes);
+	return update_indexes != TU_None;
+}
+#else
+static inline bool
+idem_simple_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple)
+{
+	simple_heap_update(rel, otid, tuple);
+	return !HeapTupleIsHeapOnly(tuple);
+}
 #endif
 
 #endif							/* IDEM_COMPAT_H */

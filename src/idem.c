@@ -136,54 +136,54 @@ idem_add_interval(TimestampTz ts, Interval *span)
 /*
  * End of a lease or retention window starting at now.  A NULL span takes
  * default_secs.  The window must be positive and no longer than
- * idem.max_retention.  A span is measured as interval comparison does (a
- * day is 24 hours, a month 30 days), so whether '30 days' is allowed does
- * not depend on the time zone's daylight-saving changes.
+ * idem.max_retention.  Its length is measured with days of 24 hours, so
+ * that whether '30 days' is allowed does not depend on the time zone's
+ * daylight-saving changes, and months as long as the calendar months they
+ * span (UTC), so that '1 mon' is 31 days from 5 January.  The end itself
+ * is now + span with the calendar arithmetic of timestamptz + interval.
  */
 TimestampTz
 idem_window_end(TimestampTz now, Interval *span, int default_secs,
 				const char *argname)
 {
+	int64		max_usecs = (int64) idem_max_retention * USECS_PER_SEC;
+	int64		length;
 	TimestampTz end;
-	bool		positive;
-	bool		too_long;
 
 	if (span == NULL)
+		length = (int64) default_secs * USECS_PER_SEC;
+	else if (Abs(span->month) > idem_max_retention / (28 * SECS_PER_DAY) + 1 ||
+			 Abs(span->day) > idem_max_retention / SECS_PER_DAY + 1 ||
+			 span->time > 2 * max_usecs || span->time < -2 * max_usecs)
 	{
-		positive = default_secs > 0;
-		too_long = default_secs > idem_max_retention;
+		/* Far out of range either way: do not compute with it. */
+		length = (span->month > 0 || span->day > 0 || span->time > 0) ?
+			max_usecs + 1 : 0;
 	}
 	else
 	{
-		Interval	zero;
-		Interval	limit;
+		Interval	months;
 
-		memset(&zero, 0, sizeof(zero));
-		memset(&limit, 0, sizeof(limit));
-		limit.time = (int64) idem_max_retention * USECS_PER_SEC;
-		positive = DatumGetBool(DirectFunctionCall2(interval_gt,
-													PointerGetDatum(span),
-													PointerGetDatum(&zero)));
-		too_long = DatumGetBool(DirectFunctionCall2(interval_gt,
-													PointerGetDatum(span),
-													PointerGetDatum(&limit)));
+		memset(&months, 0, sizeof(months));
+		months.month = span->month;
+		length = DatumGetTimestamp(DirectFunctionCall2(timestamp_pl_interval,
+													   TimestampGetDatum(now),
+													   PointerGetDatum(&months))) - now;
+		length += (int64) span->day * USECS_PER_DAY + span->time;
 	}
 
-	if (!positive)
+	if (length <= 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must be positive", argname)));
-	if (too_long)
+	if (length > max_usecs)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must not exceed idem.max_retention", argname),
 				 errdetail("idem.max_retention is %d seconds.",
 						   idem_max_retention)));
 
-	if (span == NULL)
-		end = now + (int64) default_secs * USECS_PER_SEC;
-	else
-		end = idem_add_interval(now, span);
+	end = (span == NULL) ? now + length : idem_add_interval(now, span);
 	if (end <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),

@@ -1,87 +1,49 @@
 /*-------------------------------------------------------------------------
  *
  * keys.c
- *	  idem_begin, idem_complete, idem_release and idem_extend.
+ *	  The claim protocol: idem_begin, idem_complete, idem_release and
+ *	  idem_extend.
  *
- * A key is a row of idem.keys.  Concurrency is settled by PostgreSQL's row
- * locks: a claim is an INSERT or an UPDATE of the row, so it is held by the
- * claiming transaction until that transaction ends, and another claimer
- * waits for it (or, with wait => false, reports it in flight).  Answers
- * that need no change (replay, conflict, a live lease) come from a plain
- * read without taking a lock.
+ * A key is a row of idem.keys (see keytable.c for how rows are read and
+ * written).  Concurrency is settled by PostgreSQL's row locks: a claim is
+ * an INSERT or an UPDATE of the row, so it is held by the claiming
+ * transaction until that transaction ends, and another claimer waits for
+ * it (or, with wait => false, reports it in flight).
  *
- * Reads, row locks, updates and deletes go straight to the heap and the
- * primary key, as execReplication.c does for logical replication: a key
- * is found through its primary key with the statement's snapshot, locked
- * as SELECT ... FOR UPDATE locks it (the latest version in READ COMMITTED,
- * a serialization failure in REPEATABLE READ and SERIALIZABLE), and
- * changed by heap_update, which keeps storing a response a HOT update.
- * This needs no executor start-up per call and no plan, so no plan made
- * while the table was empty can turn a key lookup into a sequential scan.
- * Only the INSERT of a new key goes through SPI, for ON CONFLICT's
- * speculative insertion.
+ * idem_begin first reads the key without a lock.  Answers that need no
+ * change (replay, conflict, a live lease) come from that read and leave no
+ * lock behind.  A claim of a new key is a speculative insertion; a claim
+ * of a key whose window or lease is over locks exactly the version it
+ * read and rewrites it.  If that version changed meanwhile, the claimer
+ * decides again from the new one, so a waiter that ends up not claiming
+ * holds no lock.  A call waits at most once (for the transaction that held
+ * the key, bounded by lock_timeout); if the key is busy again after that,
+ * it answers in flight.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
-#include "access/genam.h"
-#include "access/heapam.h"
-#include "access/htup_details.h"
-#include "access/table.h"
-#include "access/tableam.h"
 #include "access/xact.h"
-#include "catalog/index.h"
-#include "catalog/pg_type.h"
-#include "commands/sequence.h"
-#include "executor/spi.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
-#include "storage/itemptr.h"
 #include "utils/builtins.h"
-#include "utils/datum.h"
-#include "utils/fmgroids.h"
-#include "utils/rel.h"
-#include "utils/snapmgr.h"
+#include "utils/hsearch.h"
+#include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "idem.h"
+#include "keytable.h"
 #include "stats.h"
-#include "store.h"
 
 PG_FUNCTION_INFO_V1(idem_begin);
 PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_extend);
 
-/* Bound on read/lock/insert rounds of one claim; each round makes progress. */
+/* Bound on read/lock/insert rounds of one call; each round makes progress. */
 #define IDEM_MAX_CLAIM_ROUNDS	100
-
-static IdemPlanDef plan_insert = {
-	"INSERT INTO idem.keys"
-	" (scope, key, fingerprint, token, lease_until, expires_at)"
-	" VALUES ($1, $2, $3,"
-	" pg_catalog.nextval('idem.token_seq'::pg_catalog.regclass), $4, $5)"
-	" ON CONFLICT DO NOTHING RETURNING token",
-	5, {TEXTOID, TEXTOID, BYTEAOID, TIMESTAMPTZOID, TIMESTAMPTZOID}
-};
-
-/* One row of idem.keys as read, with the identity of its version. */
-typedef struct KeyRow
-{
-	bool		found;
-	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
-	int64		token;
-	bool		done;
-	int32		status;
-	bytea	   *body;			/* NULL if none */
-	bool		has_lease;
-	TimestampTz lease_until;
-	TimestampTz expires_at;
-	TransactionId xmin;
-	ItemPointerData ctid;
-} KeyRow;
 
 typedef enum ClaimState
 {
@@ -113,8 +75,6 @@ typedef struct ClaimResult
 /* What a claim needs, validated. */
 typedef struct ClaimArgs
 {
-	text	   *scope;
-	text	   *key;
 	bytea	   *fingerprint;
 	bool		wait;
 	TimestampTz now;
@@ -122,6 +82,63 @@ typedef struct ClaimArgs
 	TimestampTz expires_at;
 	MemoryContext result_cxt;	/* where a replayed body is copied */
 } ClaimArgs;
+
+/*
+ * Tokens of the claims this transaction made, so that "this transaction
+ * holds the claim" means it made the claim, not merely wrote the row last
+ * (an idem_extend does too).  Lives in TopTransactionContext.
+ */
+static HTAB *xact_claims = NULL;
+static bool xact_callback_registered = false;
+
+static void
+claims_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_COMMIT:
+		case XACT_EVENT_PARALLEL_COMMIT:
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+		case XACT_EVENT_PREPARE:
+			xact_claims = NULL;
+			break;
+		default:
+			break;
+	}
+}
+
+/* Remember that this transaction claimed a key with token. */
+static void
+remember_claim(int64 token)
+{
+	if (xact_claims == NULL)
+	{
+		HASHCTL		ctl;
+
+		if (!xact_callback_registered)
+		{
+			RegisterXactCallback(claims_xact_callback, NULL);
+			xact_callback_registered = true;
+		}
+		ctl.keysize = sizeof(int64);
+		ctl.entrysize = sizeof(int64);
+		ctl.hcxt = TopTransactionContext;
+		xact_claims = hash_create("idem claims of this transaction", 64, &ctl,
+								  HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	(void) hash_search(xact_claims, &token, HASH_ENTER, NULL);
+}
+
+/* Does this transaction hold the claim of the row (made it, not undone)? */
+static bool
+holds_claim(KeyRow *row)
+{
+	return row->found && !row->done &&
+		TransactionIdIsCurrentTransactionId(row->xmin) &&
+		xact_claims != NULL &&
+		hash_search(xact_claims, &row->token, HASH_FIND, NULL) != NULL;
+}
 
 /* SHA-256 of the caller's fingerprint text, as a bytea. */
 static bytea *
@@ -135,244 +152,11 @@ fingerprint_digest(text *fingerprint)
 	return digest;
 }
 
-/*
- * Fill *row from a slot holding a version of the key's row.  A body is
- * copied into body_cxt when given, else left pointing into the slot.
- */
-static void
-set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
-{
-	bool		should_free;
-	HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
-	Datum	   *values;
-	bool	   *nulls;
-	bytea	   *fp;
-
-	slot_getallattrs(slot);
-	values = slot->tts_values;
-	nulls = slot->tts_isnull;
-
-	row->found = true;
-	fp = DatumGetByteaPP(values[Anum_keys_fingerprint - 1]);
-	if (VARSIZE_ANY_EXHDR(fp) == IDEM_FINGERPRINT_LEN)
-		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
-	row->token = DatumGetInt64(values[Anum_keys_token - 1]);
-	row->done = !nulls[Anum_keys_status - 1];
-	row->status = row->done ? DatumGetInt32(values[Anum_keys_status - 1]) : 0;
-	if (nulls[Anum_keys_body - 1])
-		row->body = NULL;
-	else if (body_cxt != NULL)
-	{
-		MemoryContext old = MemoryContextSwitchTo(body_cxt);
-
-		row->body = DatumGetByteaPCopy(values[Anum_keys_body - 1]);
-		MemoryContextSwitchTo(old);
-	}
-	else
-		row->body = DatumGetByteaPP(values[Anum_keys_body - 1]);
-	row->has_lease = !nulls[Anum_keys_lease_until - 1];
-	row->lease_until = row->has_lease ?
-		DatumGetTimestampTz(values[Anum_keys_lease_until - 1]) : 0;
-	row->expires_at = DatumGetTimestampTz(values[Anum_keys_expires_at - 1]);
-	row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
-	row->ctid = tuple->t_self;
-	if (should_free)
-		heap_freetuple(tuple);
-}
-
-/* An index scan of idem.keys' primary key for one (scope, key). */
-typedef struct KeyScan
-{
-	LOCKMODE	lockmode;
-	Relation	rel;
-	Relation	idx;
-	IndexScanDesc scan;
-	TupleTableSlot *slot;
-} KeyScan;
-
-static void
-key_scan_begin(KeyScan *ks, text *scope, text *key, Snapshot snapshot,
-			   LOCKMODE lockmode)
-{
-	ScanKeyData skey[2];
-
-	ks->lockmode = lockmode;
-	ks->rel = table_open(idem_keys_relid(), lockmode);
-	ks->idx = index_open(idem_primary_key_index(ks->rel), lockmode);
-	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   ks->idx->rd_indcollation[0], F_TEXTEQ,
-						   PointerGetDatum(scope));
-	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
-						   ks->idx->rd_indcollation[1], F_TEXTEQ,
-						   PointerGetDatum(key));
-	ks->scan = idem_index_beginscan(ks->rel, ks->idx, snapshot, 2, 0);
-	index_rescan(ks->scan, skey, 2, NULL, 0);
-	ks->slot = table_slot_create(ks->rel, NULL);
-}
-
-static void
-key_scan_end(KeyScan *ks)
-{
-	index_endscan(ks->scan);
-	ExecDropSingleTupleTableSlot(ks->slot);
-	index_close(ks->idx, ks->lockmode);
-	table_close(ks->rel, ks->lockmode);
-}
-
-/*
- * Read the key's row as a plain SELECT would, without locking it: straight
- * from the primary key with the statement's snapshot (a new one per call
- * in READ COMMITTED, the transaction's in REPEATABLE READ and SERIALIZABLE,
- * with SSI predicate locks as usual).  The body is copied into body_cxt.
- */
-static void
-read_key_unlocked(text *scope, text *key, KeyRow *row, MemoryContext body_cxt)
-{
-	KeyScan		ks;
-
-	memset(row, 0, sizeof(KeyRow));
-
-	/* See this transaction's own earlier writes, as SPI would. */
-	CommandCounterIncrement();
-	key_scan_begin(&ks, scope, key, GetTransactionSnapshot(), AccessShareLock);
-	if (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
-		set_row(row, ks.slot, body_cxt);
-	key_scan_end(&ks);
-}
-
-typedef enum LockResult
-{
-	LOCK_NONE,					/* no live row */
-	LOCK_OK,					/* locked; *row is the locked version */
-	LOCK_BUSY					/* skip: locked by another transaction */
-} LockResult;
-
-/*
- * Lock the key's row as SELECT ... FOR UPDATE [SKIP LOCKED] would, and read
- * the locked version into *row.  Waits respect lock_timeout and take part
- * in deadlock detection.  The slot (and the locked version's buffer) is
- * kept in *ks for a following update_row or delete_row; the caller ends
- * the scan.
- */
-static LockResult
-lock_key(KeyScan *ks, text *scope, text *key, bool skip, KeyRow *row,
-		 MemoryContext body_cxt)
-{
-	Snapshot	snapshot;
-	ItemPointerData tid;
-	TM_FailureData tmfd;
-	TM_Result	result;
-
-	memset(row, 0, sizeof(KeyRow));
-	CommandCounterIncrement();
-	snapshot = GetTransactionSnapshot();
-	key_scan_begin(ks, scope, key, snapshot, RowExclusiveLock);
-	if (!index_getnext_slot(ks->scan, ForwardScanDirection, ks->slot))
-		return LOCK_NONE;
-
-	tid = ks->slot->tts_tid;
-	ExecClearTuple(ks->slot);
-	result = table_tuple_lock(ks->rel, &tid, snapshot, ks->slot,
-							  GetCurrentCommandId(true), LockTupleExclusive,
-							  skip ? LockWaitSkip : LockWaitBlock,
-							  IsolationUsesXactSnapshot() ? 0 :
-							  TUPLE_LOCK_FLAG_FIND_LAST_VERSION,
-							  &tmfd);
-	switch (result)
-	{
-		case TM_Ok:
-			set_row(row, ks->slot, body_cxt);
-			return LOCK_OK;
-		case TM_WouldBlock:
-			return LOCK_BUSY;
-		case TM_Updated:
-			if (IsolationUsesXactSnapshot())
-				ereport(ERROR,
-						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-						 errmsg("could not serialize access due to concurrent update")));
-			break;
-		case TM_Deleted:
-			if (IsolationUsesXactSnapshot())
-				ereport(ERROR,
-						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-						 errmsg("could not serialize access due to concurrent delete")));
-			return LOCK_NONE;
-		default:
-			break;
-	}
-	elog(ERROR, "unexpected table_tuple_lock status: %u", result);
-	pg_unreachable();
-}
-
-/*
- * Replace the version of the key's row locked by lock_key with values:
- * the row's columns, with the changes the caller made.
- */
-static void
-update_row(KeyScan *ks, Datum *values, bool *nulls)
-{
-	HeapTuple	tuple = heap_form_tuple(RelationGetDescr(ks->rel), values, nulls);
-	ItemPointerData otid = ks->slot->tts_tid;
-	bool		index_new_version;
-
-#if PG_VERSION_NUM >= 160000
-	TU_UpdateIndexes update_indexes;
-
-	simple_heap_update(ks->rel, &otid, tuple, &update_indexes);
-	index_new_version = (update_indexes != TU_None);
-#else
-	simple_heap_update(ks->rel, &otid, tuple);
-	index_new_version = !HeapTupleIsHeapOnly(tuple);
-#endif
-
-	/* Not a HOT update: the primary key needs an entry for the new version. */
-	if (index_new_version)
-		index_insert(ks->idx, &values[Anum_keys_scope - 1],
-					 &nulls[Anum_keys_scope - 1], &tuple->t_self, ks->rel,
-					 UNIQUE_CHECK_YES, true, BuildIndexInfo(ks->idx));
-	heap_freetuple(tuple);
-}
-
-/* The locked row's columns, to change and pass to update_row. */
-static void
-row_values(KeyScan *ks, Datum *values, bool *nulls)
-{
-	slot_getallattrs(ks->slot);
-	memcpy(values, ks->slot->tts_values, sizeof(Datum) * Natts_keys);
-	memcpy(nulls, ks->slot->tts_isnull, sizeof(bool) * Natts_keys);
-}
-
 static bool
 same_fingerprint(KeyRow *row, bytea *fingerprint)
 {
 	return memcmp(row->fingerprint, VARDATA(fingerprint),
 				  IDEM_FINGERPRINT_LEN) == 0;
-}
-
-/*
- * True if another transaction is inserting or deleting the key right now.
- * A dirty-snapshot probe of the primary key, as execReplication.c does, so
- * that wait => false never waits on an uncommitted insert.
- */
-static bool
-key_write_in_progress(text *scope, text *key)
-{
-	SnapshotData snap;
-	KeyScan		ks;
-	bool		busy = false;
-
-	InitDirtySnapshot(snap);
-	key_scan_begin(&ks, scope, key, &snap, AccessShareLock);
-	while (index_getnext_slot(ks.scan, ForwardScanDirection, ks.slot))
-	{
-		if (TransactionIdIsValid(snap.xmin) || TransactionIdIsValid(snap.xmax))
-		{
-			busy = true;
-			break;
-		}
-	}
-	key_scan_end(&ks);
-	return busy;
 }
 
 /* Make *res a claim held by the caller. */
@@ -388,191 +172,181 @@ set_claimed(ClaimResult *res, int64 token, TimestampTz lease_until,
 	res->lease_until = lease_until;
 	res->has_expiry = true;
 	res->expires_at = expires_at;
+	remember_claim(token);
 }
 
-/* Give the locked row a new claim; returns the new token. */
-static int64
-reclaim_row(KeyScan *ks, bytea *fingerprint, TimestampTz lease_until,
-			TimestampTz expires_at)
+/* Report the key in flight; the lease is known if row is given. */
+static void
+set_in_flight(ClaimResult *res, KeyRow *row)
 {
-	Datum		values[Natts_keys];
-	bool		nulls[Natts_keys];
-	int64		token = nextval_internal(idem_token_seq_relid(), false);
-
-	row_values(ks, values, nulls);
-	values[Anum_keys_fingerprint - 1] = PointerGetDatum(fingerprint);
-	values[Anum_keys_token - 1] = Int64GetDatum(token);
-	nulls[Anum_keys_status - 1] = true;
-	nulls[Anum_keys_body - 1] = true;
-	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(lease_until);
-	nulls[Anum_keys_lease_until - 1] = false;
-	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(expires_at);
-	update_row(ks, values, nulls);
-	return token;
-}
-
-/*
- * Answer a claim from an existing row.  ks holds the row locked, or is
- * NULL for an unlocked read; returns false if the answer needs the lock.
- */
-static bool
-decide(ClaimArgs *args, KeyRow *row, KeyScan *ks, ClaimResult *res)
-{
-	if (row->expires_at <= args->now)
+	res->state = CLAIM_PROCESSING;
+	if (row != NULL)
 	{
-		/* The window is over: the key is new again. */
-		if (ks == NULL)
-			return false;
-		set_claimed(res, reclaim_row(ks, args->fingerprint,
-									 args->lease_until, args->expires_at),
-					args->lease_until, args->expires_at);
-		idem_stats_count(IDEM_STAT_CLAIMS);
-		return true;
-	}
-
-	if (!same_fingerprint(row, args->fingerprint))
-	{
-		/* Reveal nothing of the stored request or response. */
-		res->state = CLAIM_CONFLICT;
-		idem_stats_count(IDEM_STAT_CONFLICTS);
-		return true;
-	}
-
-	if (row->done)
-	{
-		res->state = CLAIM_DONE;
-		res->has_response = true;
-		res->status = row->status;
-		res->body = row->body;
-		res->has_expiry = true;
-		res->expires_at = row->expires_at;
-		idem_stats_count(IDEM_STAT_REPLAYS);
-		return true;
-	}
-
-	if (TransactionIdIsCurrentTransactionId(row->xmin))
-	{
-		/* This transaction holds the claim already. */
-		set_claimed(res, row->token, row->lease_until, row->expires_at);
-		return true;
-	}
-
-	if (row->has_lease && args->now < row->lease_until)
-	{
-		res->state = CLAIM_PROCESSING;
-		res->has_lease = true;
+		res->has_lease = row->has_lease;
 		res->lease_until = row->lease_until;
 		res->has_expiry = true;
 		res->expires_at = row->expires_at;
-		idem_stats_count(IDEM_STAT_IN_FLIGHT);
-		return true;
 	}
-
-	/* The holder's lease is over: take the key over with a new token. */
-	if (ks == NULL)
-		return false;
-	{
-		TimestampTz expires_at = Max(row->expires_at, args->lease_until);
-
-		set_claimed(res, reclaim_row(ks, args->fingerprint,
-									 args->lease_until, expires_at),
-					args->lease_until, expires_at);
-	}
-	idem_stats_count(IDEM_STAT_TAKEOVERS);
-	return true;
-}
-
-/* Report the key in flight without knowing its lease. */
-static void
-set_in_flight(ClaimResult *res)
-{
-	res->state = CLAIM_PROCESSING;
 	idem_stats_count(IDEM_STAT_IN_FLIGHT);
 }
 
+/* Values of a new claim of the key. */
+static void
+claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
+{
+	memset(kv, 0, sizeof(KeyValues));
+	kv->fingerprint = args->fingerprint;
+	kv->has_lease = true;
+	kv->lease_until = args->lease_until;
+	kv->expires_at = expires_at;
+}
+
 /*
- * Insert the key as a new claim; returns false if another transaction
- * inserted it first and committed.  The only statement run through SPI.
+ * Answer a claim from an existing row.  kt is NULL for a row read without
+ * a lock, and then false is returned if the answer needs a write (the
+ * window or the lease is over); with the row locked, the write is done.
  */
 static bool
-insert_key(ClaimArgs *args, int64 *token)
+decide(ClaimArgs *args, KeyRow *row, KeyTable *kt, ClaimResult *res)
 {
-	IdemSpi		spi;
-	Datum		values[5];
-	bool		isnull;
-	bool		inserted;
+	KeyValues	kv;
+	bool		takeover;
 
-	values[0] = PointerGetDatum(args->scope);
-	values[1] = PointerGetDatum(args->key);
-	values[2] = PointerGetDatum(args->fingerprint);
-	values[3] = TimestampTzGetDatum(args->lease_until);
-	values[4] = TimestampTzGetDatum(args->expires_at);
-	idem_spi_begin(&spi);
-	inserted = (idem_spi_run(&plan_insert, values, NULL) == 1);
-	if (inserted)
-		*token = DatumGetInt64(SPI_getbinval(SPI_tuptable->vals[0],
-											 SPI_tuptable->tupdesc, 1, &isnull));
-	idem_spi_end(&spi);
-	return inserted;
+	if (row->expires_at > args->now)
+	{
+		if (!same_fingerprint(row, args->fingerprint))
+		{
+			/* Reveal nothing of the stored request or response. */
+			res->state = CLAIM_CONFLICT;
+			idem_stats_count(IDEM_STAT_CONFLICTS);
+			return true;
+		}
+		if (row->done)
+		{
+			res->state = CLAIM_DONE;
+			res->has_response = true;
+			res->status = row->status;
+			res->body = row->body;
+			res->has_expiry = true;
+			res->expires_at = row->expires_at;
+			idem_stats_count(IDEM_STAT_REPLAYS);
+			return true;
+		}
+		if (holds_claim(row))
+		{
+			set_claimed(res, row->token, row->lease_until, row->expires_at);
+			return true;
+		}
+		if (row->has_lease && args->now < row->lease_until)
+		{
+			set_in_flight(res, row);
+			return true;
+		}
+		/* The holder's lease is over: take the key over with a new token. */
+		takeover = true;
+	}
+	else
+		takeover = false;		/* the window is over: the key is new again */
+
+	if (kt == NULL)
+		return false;
+
+	/*
+	 * A takeover keeps the key's window unless the new lease ends later.
+	 * The token is drawn with the row locked, so it is greater than every
+	 * token the key had.
+	 */
+	claim_values(&kv, args, takeover ?
+				 Max(row->expires_at, args->lease_until) : args->expires_at);
+	kv.token = keytable_next_token();
+	keytable_update(kt, &kv);
+	set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+	idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
+	return true;
+}
+
+/* The error of a call that could not settle in IDEM_MAX_CLAIM_ROUNDS. */
+static void
+too_many_rounds(text *key)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("could not settle idempotency key \"%s\"",
+					idem_key_for_message(key)),
+			 errdetail("The key changed under %d consecutive attempts.",
+					   IDEM_MAX_CLAIM_ROUNDS),
+			 errhint("Retry the transaction.")));
 }
 
 /* Claim a key, or find out why not; see the file header. */
 static void
-claim_key(ClaimArgs *args, ClaimResult *res)
+claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 {
-	KeyRow		row;
+	bool		may_wait = args->wait;
 	int			round;
 
 	for (round = 0; round < IDEM_MAX_CLAIM_ROUNDS; round++)
 	{
-		read_key_unlocked(args->scope, args->key, &row, args->result_cxt);
-		if (row.found)
+		KeyRow		row;
+		KeyWaiter	waiter;
+		KeyValues	kv;
+
+		if (keytable_read(kt, &row, args->result_cxt))
 		{
+			KeyLock		lock;
+
 			if (decide(args, &row, NULL, res))
 				return;
-		}
-		else
-		{
-			int64		token;
-
-			if (!args->wait && key_write_in_progress(args->scope, args->key))
+			lock = keytable_lock(kt, &row, false, !may_wait, args->result_cxt);
+			if (lock == KEYLOCK_OK)
 			{
-				set_in_flight(res);
+				decide(args, &row, kt, res);
 				return;
 			}
-			if (insert_key(args, &token))
+			if (lock == KEYLOCK_BUSY)
 			{
-				set_claimed(res, token, args->lease_until, args->expires_at);
-				idem_stats_count(IDEM_STAT_CLAIMS);
+				set_in_flight(res, NULL);
 				return;
 			}
-			/* Another transaction inserted the key and committed: re-read. */
+			/* Changed or deleted since it was read, maybe after a wait. */
+			may_wait = false;
 			continue;
 		}
 
+		switch (keytable_probe(kt, &waiter))
 		{
-			KeyScan		ks;
-			LockResult	locked = lock_key(&ks, args->scope, args->key,
-										  !args->wait, &row, args->result_cxt);
-
-			if (locked == LOCK_OK)
-				decide(args, &row, &ks, res);
-			else if (locked == LOCK_BUSY)
-				set_in_flight(res);
-			key_scan_end(&ks);
-			if (locked != LOCK_NONE)
-				return;
+			case PROBE_IN_PROGRESS:
+				if (!may_wait)
+				{
+					set_in_flight(res, NULL);
+					return;
+				}
+				keytable_wait(kt, &waiter);
+				may_wait = false;
+				continue;
+			case PROBE_COMMITTED:
+				/* Claimed and committed after this snapshot was taken. */
+				if (IsolationUsesXactSnapshot())
+					ereport(ERROR,
+							(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+							 errmsg("could not serialize access due to concurrent update"),
+							 errdetail("Idempotency key \"%s\" was claimed after this transaction's snapshot.",
+									   idem_key_for_message(kt->key))));
+				continue;
+			case PROBE_NONE:
+				break;
 		}
-		/* Deleted while we waited for it (purge or release): start over. */
-	}
 
-	ereport(ERROR,
-			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-			 errmsg("could not settle the claim of key \"%s\"",
-					text_to_cstring(args->key)),
-			 errdetail("The key changed under %d consecutive attempts.",
-					   IDEM_MAX_CLAIM_ROUNDS),
-			 errhint("Retry the transaction.")));
+		claim_values(&kv, args, args->expires_at);
+		if (keytable_insert(kt, &kv))
+		{
+			set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+			idem_stats_count(IDEM_STAT_CLAIMS);
+			return;
+		}
+		/* Another transaction inserted the key first: the probe tells who. */
+	}
+	too_many_rounds(kt->key);
 }
 
 /* scope argument: not NULL, may be empty. */
@@ -595,6 +369,7 @@ key_arg(FunctionCallInfo fcinfo, int argno)
 	return key;
 }
 
+/* An interval argument; NULL stands for the setting's default. */
 static Interval *
 interval_arg(FunctionCallInfo fcinfo, int argno)
 {
@@ -609,14 +384,15 @@ Datum
 idem_begin(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	text	   *key = key_arg(fcinfo, 0);
+	text	   *scope = scope_arg(fcinfo, 4);
 	ClaimArgs	args;
 	ClaimResult res;
+	KeyTable	kt;
 	Datum		values[7];
 	bool		nulls[7];
 
-	args.key = key_arg(fcinfo, 0);
 	args.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
-	args.scope = scope_arg(fcinfo, 4);
 	if (PG_ARGISNULL(5))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
@@ -636,7 +412,9 @@ idem_begin(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(&res, 0, sizeof(res));
-	claim_key(&args, &res);
+	keytable_open(&kt, "idem_begin()", scope, key);
+	claim_key(&kt, &args, &res);
+	keytable_close(&kt);
 
 	memset(nulls, true, sizeof(nulls));
 	values[0] = BoolGetDatum(res.claimed);
@@ -672,79 +450,134 @@ idem_begin(PG_FUNCTION_ARGS)
 	return (Datum) 0;
 }
 
-/*
- * Check that the holder of token may write the key's locked row; has_token
- * is false when no token was given and this transaction does not hold the
- * claim.  Raises the error that explains a refusal.  Returns false for a
- * completed row of the same holder, which the caller accepts or refuses.
- */
-static bool
-holder_may_write(KeyRow *row, text *key, bytea *fingerprint, bool has_token,
-				 int64 token, TimestampTz now)
+typedef enum HolderLock
 {
+	HOLDER_NONE,				/* no live row (missing_ok only) */
+	HOLDER_WRITE,				/* the holder may write the locked row */
+	HOLDER_DONE					/* the row is completed already */
+} HolderLock;
+
+/*
+ * Lock the key's row for a write by the holder of the token argument at
+ * argno, and check that the holder may write it; a NULL token stands for
+ * the claim this transaction made.  Raises the error that explains a
+ * refusal, checking who holds the key before what it holds, so that a
+ * caller without the claim learns nothing of the stored request.
+ * Returns HOLDER_DONE for a completed row of the same holder, which the
+ * caller accepts or refuses, and HOLDER_NONE instead of an error for a
+ * missing or expired key if missing_ok.
+ */
+static HolderLock
+lock_for_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt,
+				KeyRow *row, bytea *fingerprint, TimestampTz now,
+				bool missing_ok, MemoryContext body_cxt)
+{
+	int			round;
+	int64		token;
+
+	for (round = 0; round < IDEM_MAX_CLAIM_ROUNDS; round++)
+	{
+		if (keytable_lock(kt, row, true, false, body_cxt) != KEYLOCK_CHANGED)
+			break;
+	}
+	if (round == IDEM_MAX_CLAIM_ROUNDS)
+		too_many_rounds(kt->key);
+
+	if ((!row->found || row->expires_at <= now) && missing_ok)
+		return HOLDER_NONE;
 	if (!row->found || row->expires_at <= now)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" has no live claim",
-						text_to_cstring(key)),
+						idem_key_for_message(kt->key)),
 				 errdetail("The key does not exist or its retention window is over."),
 				 errhint("Claim it again with idem_begin.")));
-	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
-				 errmsg("idempotency key \"%s\" was claimed with a different fingerprint",
-						text_to_cstring(key))));
-	if (!has_token)
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_NO_CLAIM),
-				 errmsg("idempotency key \"%s\" is not claimed by this transaction",
-						text_to_cstring(key)),
-				 errhint("Pass the token idem_begin returned.")));
-	if (row->token != token)
+	if (PG_ARGISNULL(argno))
+	{
+		if (!holds_claim(row) && !(row->done &&
+								   TransactionIdIsCurrentTransactionId(row->xmin)))
+			ereport(ERROR,
+					(errcode(ERRCODE_IDEM_NO_CLAIM),
+					 errmsg("idempotency key \"%s\" is not claimed by this transaction",
+							idem_key_for_message(kt->key)),
+					 errhint("Pass the token idem_begin returned.")));
+		token = row->token;
+	}
+	else
+		token = PG_GETARG_INT64(argno);
+	if (token < row->token)
 	{
 		idem_stats_count(IDEM_STAT_SUPERSEDED);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
 				 errmsg("idempotency key \"%s\" is held by a newer claim",
-						text_to_cstring(key)),
-				 errdetail("Token %lld was superseded after its lease ran out.",
-						   (long long) token)));
+						idem_key_for_message(kt->key)),
+				 errdetail("Token %lld was superseded by token %lld: the key was taken over "
+						   "after the lease ran out, or released and claimed again.",
+						   (long long) token, (long long) row->token)));
 	}
-	return !row->done;
-}
-
-/*
- * Lock the key's row for a write by the holder of the token argument at
- * argno; a NULL token stands for the claim this transaction holds.  Sets
- * *has_token and *token for holder_may_write.
- */
-static void
-lock_for_holder(FunctionCallInfo fcinfo, int argno, KeyScan *ks, text *scope,
-				text *key, KeyRow *row, bool *has_token, int64 *token)
-{
-	lock_key(ks, scope, key, false, row, NULL);
-	*has_token = !PG_ARGISNULL(argno);
-	*token = *has_token ? PG_GETARG_INT64(argno) : 0;
-	if (!*has_token && row->found &&
-		TransactionIdIsCurrentTransactionId(row->xmin))
-	{
-		*has_token = true;
-		*token = row->token;
-	}
+	if (token > row->token)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_NO_CLAIM),
+				 errmsg("idempotency key \"%s\" has no claim with token %lld",
+						idem_key_for_message(kt->key), (long long) token),
+				 errdetail("The key's current token is %lld; token %lld was never issued for this key.",
+						   (long long) row->token, (long long) token)));
+	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
+				 errmsg("idempotency key \"%s\" was claimed with a different fingerprint",
+						idem_key_for_message(kt->key))));
+	return row->done ? HOLDER_DONE : HOLDER_WRITE;
 }
 
 static void
-already_completed(text *key, const char *how)
+already_completed(text *key, bool other_response)
 {
+	if (other_response)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
+				 errmsg("idempotency key \"%s\" is already completed with a different response",
+						idem_key_for_message(key))));
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
-			 errmsg("idempotency key \"%s\" is already completed%s",
-					text_to_cstring(key), how)));
+			 errmsg("idempotency key \"%s\" is already completed",
+					idem_key_for_message(key))));
+}
+
+static bool
+same_body(bytea *a, bytea *b)
+{
+	if (a == NULL || b == NULL)
+		return a == b;
+	return VARSIZE_ANY_EXHDR(a) == VARSIZE_ANY_EXHDR(b) &&
+		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
+}
+
+/* The values of the locked row, to change and write back. */
+static void
+row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
+{
+	if (fingerprint == NULL)
+	{
+		fingerprint = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
+		SET_VARSIZE(fingerprint, VARHDRSZ + IDEM_FINGERPRINT_LEN);
+		memcpy(VARDATA(fingerprint), row->fingerprint, IDEM_FINGERPRINT_LEN);
+	}
+	kv->fingerprint = fingerprint;
+	kv->token = row->token;
+	kv->done = row->done;
+	kv->status = row->status;
+	kv->body = row->body;
+	kv->has_lease = row->has_lease;
+	kv->lease_until = row->lease_until;
+	kv->expires_at = row->expires_at;
 }
 
 /*
  * idem_complete(key, fingerprint, status, body, token, retention, scope):
- * store the response of a claim.  Returns the new expires_at.
+ * store the response of a claim.  Without retention the key keeps the
+ * window its claim was given.  Returns the new expires_at.
  */
 Datum
 idem_complete(PG_FUNCTION_ARGS)
@@ -753,12 +586,11 @@ idem_complete(PG_FUNCTION_ARGS)
 	bytea	   *fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
 	bytea	   *body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
 	text	   *scope = scope_arg(fcinfo, 6);
+	Interval   *retention = interval_arg(fcinfo, 5);
 	int32		status;
-	bool		has_token;
-	int64		token;
 	TimestampTz now;
-	TimestampTz expires_at;
-	KeyScan		ks;
+	TimestampTz expires_at = 0;
+	KeyTable	kt;
 	KeyRow		row;
 
 	if (PG_ARGISNULL(2))
@@ -766,6 +598,10 @@ idem_complete(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("status must not be null")));
 	status = PG_GETARG_INT32(2);
+	if (status < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("status must not be negative")));
 	if (body != NULL && VARSIZE_ANY_EXHDR(body) > (Size) idem_max_body_size)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
@@ -773,38 +609,31 @@ idem_complete(PG_FUNCTION_ARGS)
 				 errdetail("It is %zu bytes; idem.max_body_size is %d.",
 						   (size_t) VARSIZE_ANY_EXHDR(body), idem_max_body_size)));
 	now = idem_now();
-	expires_at = idem_window_end(now, interval_arg(fcinfo, 5),
-								 idem_default_retention, "retention");
+	if (retention != NULL)
+		expires_at = idem_window_end(now, retention, 0, "retention");
 
-	lock_for_holder(fcinfo, 4, &ks, scope, key, &row, &has_token, &token);
-	if (holder_may_write(&row, key, fingerprint, has_token, token, now))
+	keytable_open(&kt, "idem_complete()", scope, key);
+	if (lock_for_holder(fcinfo, 4, &kt, &row, fingerprint, now, false,
+						CurrentMemoryContext) == HOLDER_WRITE)
 	{
-		Datum		values[Natts_keys];
-		bool		nulls[Natts_keys];
+		KeyValues	kv;
 
-		row_values(&ks, values, nulls);
-		values[Anum_keys_status - 1] = Int32GetDatum(status);
-		nulls[Anum_keys_status - 1] = false;
-		values[Anum_keys_body - 1] = PointerGetDatum(body);
-		nulls[Anum_keys_body - 1] = (body == NULL);
-		nulls[Anum_keys_lease_until - 1] = true;
-		values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(expires_at);
-		update_row(&ks, values, nulls);
+		row_values(&kv, &row, fingerprint);
+		kv.done = true;
+		kv.status = status;
+		kv.body = body;
+		kv.has_lease = false;
+		if (retention != NULL)
+			kv.expires_at = expires_at;
+		expires_at = kv.expires_at;
+		keytable_update(&kt, &kv);
 		idem_stats_count(IDEM_STAT_COMPLETES);
 	}
-	else if (row.status == status &&
-			 ((body == NULL && row.body == NULL) ||
-			  (body != NULL && row.body != NULL &&
-			   VARSIZE_ANY_EXHDR(body) == VARSIZE_ANY_EXHDR(row.body) &&
-			   memcmp(VARDATA_ANY(body), VARDATA_ANY(row.body),
-					  VARSIZE_ANY_EXHDR(body)) == 0)))
-	{
-		/* A repeat of the stored response: accepted as is. */
-		expires_at = row.expires_at;
-	}
+	else if (row.status == status && same_body(body, row.body))
+		expires_at = row.expires_at;	/* a repeat of the stored response */
 	else
-		already_completed(key, " with a different response");
-	key_scan_end(&ks);
+		already_completed(key, true);
+	keytable_close(&kt);
 
 	PG_RETURN_TIMESTAMPTZ(expires_at);
 }
@@ -819,31 +648,33 @@ idem_release(PG_FUNCTION_ARGS)
 	text	   *key = key_arg(fcinfo, 0);
 	text	   *scope = scope_arg(fcinfo, 2);
 	TimestampTz now = idem_now();
-	bool		has_token;
-	int64		token;
-	KeyScan		ks;
+	KeyTable	kt;
 	KeyRow		row;
 	bool		released = false;
 
-	lock_for_holder(fcinfo, 1, &ks, scope, key, &row, &has_token, &token);
-	if (row.found && row.expires_at > now)
+	keytable_open(&kt, "idem_release()", scope, key);
+	switch (lock_for_holder(fcinfo, 1, &kt, &row, NULL, now, true, NULL))
 	{
-		ItemPointerData tid = ks.slot->tts_tid;
-
-		if (!holder_may_write(&row, key, NULL, has_token, token, now))
-			already_completed(key, "");
-		simple_heap_delete(ks.rel, &tid);
-		idem_stats_count(IDEM_STAT_RELEASES);
-		released = true;
+		case HOLDER_NONE:
+			break;
+		case HOLDER_DONE:
+			already_completed(key, false);
+			break;
+		case HOLDER_WRITE:
+			keytable_delete(&kt);
+			idem_stats_count(IDEM_STAT_RELEASES);
+			released = true;
+			break;
 	}
-	key_scan_end(&ks);
+	keytable_close(&kt);
 
 	PG_RETURN_BOOL(released);
 }
 
 /*
- * idem_extend(key, token, lease, scope): move the lease of a live claim to
- * now + lease.  Returns the new lease_until.
+ * idem_extend(key, token, lease, scope): make the lease of a live claim
+ * last at least until now + lease; a lease is never shortened.  Returns
+ * the lease's end.
  */
 Datum
 idem_extend(PG_FUNCTION_ARGS)
@@ -853,23 +684,22 @@ idem_extend(PG_FUNCTION_ARGS)
 	TimestampTz now = idem_now();
 	TimestampTz lease_until = idem_window_end(now, interval_arg(fcinfo, 2),
 											  idem_default_lease, "lease");
-	bool		has_token;
-	int64		token;
-	KeyScan		ks;
+	KeyTable	kt;
 	KeyRow		row;
-	Datum		values[Natts_keys];
-	bool		nulls[Natts_keys];
+	KeyValues	kv;
 
-	lock_for_holder(fcinfo, 1, &ks, scope, key, &row, &has_token, &token);
-	if (!holder_may_write(&row, key, NULL, has_token, token, now))
-		already_completed(key, "");
-	row_values(&ks, values, nulls);
-	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(lease_until);
-	nulls[Anum_keys_lease_until - 1] = false;
-	values[Anum_keys_expires_at - 1] =
-		TimestampTzGetDatum(Max(row.expires_at, lease_until));
-	update_row(&ks, values, nulls);
-	key_scan_end(&ks);
+	keytable_open(&kt, "idem_extend()", scope, key);
+	if (lock_for_holder(fcinfo, 1, &kt, &row, NULL, now, false,
+						NULL) == HOLDER_DONE)
+		already_completed(key, false);
+	row_values(&kv, &row, NULL);
+	if (row.has_lease && row.lease_until > lease_until)
+		lease_until = row.lease_until;
+	kv.has_lease = true;
+	kv.lease_until = lease_until;
+	kv.expires_at = Max(row.expires_at, lease_until);
+	keytable_update(&kt, &kv);
+	keytable_close(&kt);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);
 }

@@ -18,19 +18,12 @@
  */
 #include "postgres.h"
 
-#include "access/table.h"
-#include "access/tableam.h"
-#include "access/xact.h"
-#include "executor/tuptable.h"
 #include "fmgr.h"
 #include "storage/itemptr.h"
-#include "utils/rel.h"
-#include "utils/snapmgr.h"
-#include "utils/timestamp.h"
 
 #include "idem.h"
+#include "keytable.h"
 #include "stats.h"
-#include "store.h"
 
 PG_FUNCTION_INFO_V1(idem_purge);
 
@@ -45,49 +38,11 @@ static ItemPointerData purge_cursor = {{0, 0}, 0};
 int64
 idem_purge_batch(TimestampTz now, int limit)
 {
-	Relation	rel = table_open(idem_keys_relid(), RowExclusiveLock);
-	CommandId	cid = GetCurrentCommandId(true);
-	ItemPointerData last;
-	Snapshot	snapshot;
-	TableScanDesc scan;
-	TupleTableSlot *slot;
-	bool		at_end = true;
-	int64		n = 0;
+	bool		at_end;
+	int64		n = keytable_purge_batch(now, limit, &purge_cursor, &at_end);
 
-	CommandCounterIncrement();
-	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
-	scan = table_beginscan_tidrange(rel, snapshot, &purge_cursor, &last);
-	slot = table_slot_create(rel, NULL);
-	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, slot))
-	{
-		ItemPointerData tid = slot->tts_tid;
-		bool		isnull;
-		TM_FailureData tmfd;
-
-		/* The next batch starts after this row. */
-		ItemPointerSet(&purge_cursor, ItemPointerGetBlockNumber(&tid),
-					   ItemPointerGetOffsetNumber(&tid) + 1);
-		if (DatumGetTimestampTz(slot_getattr(slot, Anum_keys_expires_at,
-											 &isnull)) > now)
-			continue;
-		if (table_tuple_delete(rel, &tid, cid, snapshot, InvalidSnapshot,
-							   false, &tmfd, false) == TM_Ok)
-			n++;
-		if (n >= limit)
-		{
-			at_end = false;
-			break;
-		}
-	}
 	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);
-
-	table_endscan(scan);
-	ExecDropSingleTupleTableSlot(slot);
-	UnregisterSnapshot(snapshot);
-	table_close(rel, RowExclusiveLock);
-
 	idem_stats_add(IDEM_STAT_PURGED_ROWS, n);
 	return n;
 }

@@ -1,0 +1,794 @@
+/*-------------------------------------------------------------------------
+ *
+ * keytable.c
+ *	  The storage of idempotency keys: the only code that touches
+ *	  idem.keys and idem.token_seq.
+ *
+ * idem reads, inserts, locks, updates and deletes rows of idem.keys
+ * directly in the heap and its primary key, as execReplication.c does for
+ * logical replication, instead of running statements: no executor
+ * start-up and no plan per call.  The executor's own checks are then ours
+ * to make, and they are made here, at one door:
+ *
+ * - keytable_open finds the table by name under its lock, so a table
+ *	 dropped and created again since the last call is found anew, and
+ *	 checks that it still has the shape the install script gave it: the
+ *	 eight columns (names, types, NOT NULL, no dropped columns), the heap
+ *	 access method, the primary key as its only index, no CHECK
+ *	 constraint, no trigger (a foreign key referencing the table is
+ *	 one), and a token sequence with CACHE 1 and NO CYCLE.  A table altered
+ *	 beyond that is refused with 55000, naming what idem would not
+ *	 maintain, rather than written past its indexes or constraints.  The
+ *	 check runs again after every invalidation of the table, its index or
+ *	 the sequence.
+ * - every write first refuses read-only transactions and recovery (25006,
+ *	 as nextval() does) and takes RowExclusiveLock.
+ * - relation locks are held until the end of the transaction.
+ * - tuples are formed from the relation's descriptor, and index entries
+ *	 from the primary key's own columns.
+ * - snapshots are registered while in use.
+ *
+ * A new key is inserted with speculative insertion, as INSERT ... ON
+ * CONFLICT does: the heap tuple carries a speculative token, the primary
+ * key entry is added with UNIQUE_CHECK_PARTIAL, and if another transaction
+ * inserted the key meanwhile the insertion is undone without waiting for
+ * it.  Whether and how long to wait is the caller's choice (see keys.c).
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/detoast.h"
+#include "access/genam.h"
+#include "access/heapam.h"
+#include "access/htup_details.h"
+#include "access/relation.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "catalog/index.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_am_d.h"
+#include "catalog/pg_collation_d.h"
+#include "catalog/pg_sequence.h"
+#include "catalog/pg_type_d.h"
+#include "commands/sequence.h"
+#include "executor/tuptable.h"
+#include "mb/pg_wchar.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "utils/builtins.h"
+#include "utils/fmgroids.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/rel.h"
+#include "utils/snapmgr.h"
+#include "utils/syscache.h"
+
+#include "keytable.h"
+
+/* The columns of idem.keys, as sql/idem--1.0.sql creates them. */
+static const struct
+{
+	const char *name;
+	Oid			type;
+	bool		notnull;
+} key_columns[Natts_keys] = {
+	{"scope", TEXTOID, true},
+	{"key", TEXTOID, true},
+	{"fingerprint", BYTEAOID, true},
+	{"token", INT8OID, true},
+	{"status", INT4OID, false},
+	{"body", BYTEAOID, false},
+	{"lease_until", TIMESTAMPTZOID, false},
+	{"expires_at", TIMESTAMPTZOID, true},
+};
+
+/* Identity of the table, cached until an invalidation touches it. */
+static Oid	keys_relid = InvalidOid;
+static Oid	token_seq_relid = InvalidOid;
+static bool callbacks_registered = false;
+/* Bumped by every invalidation of the table, its index or the sequence. */
+static uint64 keys_inval_count = 0;
+/* keys_inval_count when the shape was last found good, plus one. */
+static uint64 shape_checked = 0;
+/* The primary key's IndexInfo, built with the shape check. */
+static MemoryContext keytable_cxt = NULL;
+static IndexInfo *pkey_info = NULL;
+static Oid	pkey_relid = InvalidOid;
+
+static void
+keys_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == keys_relid ||
+		relid == token_seq_relid || relid == pkey_relid)
+	{
+		keys_relid = InvalidOid;
+		keys_inval_count++;
+	}
+}
+
+static void
+keys_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
+{
+	/* ALTER SEQUENCE changes pg_sequence, not the relcache entry. */
+	keys_inval_count++;
+}
+
+/* Look up idem.keys and idem.token_seq by name. */
+static Oid
+lookup_keys_relid(void)
+{
+	Oid			nspid;
+
+	if (OidIsValid(keys_relid))
+		return keys_relid;
+
+	if (!callbacks_registered)
+	{
+		CacheRegisterRelcacheCallback(keys_relcache_callback, (Datum) 0);
+		CacheRegisterSyscacheCallback(SEQRELID, keys_syscache_callback,
+									  (Datum) 0);
+		callbacks_registered = true;
+	}
+
+	nspid = get_namespace_oid("idem", true);
+	token_seq_relid = OidIsValid(nspid) ?
+		get_relname_relid("token_seq", nspid) : InvalidOid;
+	keys_relid = OidIsValid(nspid) ?
+		get_relname_relid("keys", nspid) : InvalidOid;
+	if (!OidIsValid(keys_relid) || !OidIsValid(token_seq_relid))
+	{
+		keys_relid = InvalidOid;
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("extension \"idem\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idem.")));
+	}
+	return keys_relid;
+}
+
+/*
+ * Lock idem.keys and open it.  The OID is looked up again if the lock's
+ * invalidations show that the table went away since it was cached (DROP
+ * and CREATE EXTENSION in another session), as RangeVarGetRelidExtended
+ * does.
+ */
+static Relation
+open_keys_relation(LOCKMODE lockmode)
+{
+	int			attempt;
+
+	for (attempt = 0; attempt < 10; attempt++)
+	{
+		Oid			relid = lookup_keys_relid();
+
+		LockRelationOid(relid, lockmode);
+		if (relid == keys_relid)
+			return relation_open(relid, NoLock);
+		UnlockRelationOid(relid, lockmode);
+	}
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("table idem.keys keeps changing"),
+			 errhint("Retry when no DROP or CREATE EXTENSION idem is running.")));
+	pg_unreachable();
+}
+
+static void
+refuse_shape(Relation rel, const char *what, const char *detail)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("idem cannot use table idem.keys: %s", what),
+			 detail ? errdetail("%s", detail) : 0,
+			 errhint("idem reads and writes idem.keys directly and keeps only the shape "
+					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")));
+}
+
+/* Check that idem.keys and idem.token_seq are as the install script made them. */
+static void
+check_shape(Relation rel)
+{
+	TupleDesc	desc = RelationGetDescr(rel);
+	Oid			pkid;
+	List	   *indexes;
+	ListCell   *lc;
+	Relation	pkey;
+	HeapTuple	seqtup;
+	Form_pg_sequence seq;
+	int			i;
+
+	if (rel->rd_rel->relkind != RELKIND_RELATION ||
+		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
+		refuse_shape(rel, "it is not a heap table", NULL);
+	if (desc->natts != Natts_keys)
+		refuse_shape(rel, "its columns were changed",
+					 psprintf("It has %d columns; idem expects %d.",
+							  desc->natts, Natts_keys));
+	for (i = 0; i < Natts_keys; i++)
+	{
+		Form_pg_attribute att = TupleDescAttr(desc, i);
+
+		if (att->attisdropped ||
+			strcmp(NameStr(att->attname), key_columns[i].name) != 0 ||
+			att->atttypid != key_columns[i].type ||
+			att->attnotnull != key_columns[i].notnull ||
+			att->attgenerated != '\0' ||
+			(i < 2 && att->attcollation != C_COLLATION_OID))
+			refuse_shape(rel, "its columns were changed",
+						 psprintf("Column %d should be \"%s\" of type %s%s.",
+								  i + 1, key_columns[i].name,
+								  format_type_be(key_columns[i].type),
+								  key_columns[i].notnull ? " NOT NULL" : ""));
+	}
+	if (desc->constr != NULL && desc->constr->num_check > 0)
+		refuse_shape(rel,
+					 psprintf("it has CHECK constraint \"%s\", which idem does not check",
+							  desc->constr->check[0].ccname), NULL);
+	if (rel->trigdesc != NULL && rel->trigdesc->numtriggers > 0)
+		refuse_shape(rel,
+					 psprintf("it has trigger \"%s\", which idem does not fire",
+							  rel->trigdesc->triggers[0].tgname),
+					 "A foreign key that references idem.keys is such a trigger.");
+
+	pkid = idem_primary_key_index(rel);
+	if (!OidIsValid(pkid))
+		refuse_shape(rel, "it has no primary key", NULL);
+	indexes = RelationGetIndexList(rel);
+	foreach(lc, indexes)
+	{
+		if (lfirst_oid(lc) != pkid)
+			refuse_shape(rel,
+						 psprintf("it has index \"%s\", which idem does not maintain",
+								  get_rel_name(lfirst_oid(lc))), NULL);
+	}
+	list_free(indexes);
+
+	pkey = index_open(pkid, AccessShareLock);
+	if (pkey->rd_rel->relam != BTREE_AM_OID ||
+		pkey->rd_index->indnatts != 2 ||
+		pkey->rd_index->indnkeyatts != 2 ||
+		pkey->rd_index->indkey.values[0] != 1 ||
+		pkey->rd_index->indkey.values[1] != 2 ||
+		!pkey->rd_index->indimmediate ||
+		RelationGetIndexExpressions(pkey) != NIL ||
+		RelationGetIndexPredicate(pkey) != NIL)
+		refuse_shape(rel, "its primary key was changed",
+					 "It should be a btree on (scope, key).");
+
+	seqtup = SearchSysCache1(SEQRELID, ObjectIdGetDatum(token_seq_relid));
+	if (!HeapTupleIsValid(seqtup))
+		elog(ERROR, "cache lookup failed for sequence %u", token_seq_relid);
+	seq = (Form_pg_sequence) GETSTRUCT(seqtup);
+	if (seq->seqcache != 1 || seq->seqcycle || seq->seqincrement <= 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem cannot use sequence idem.token_seq: it must be ascending, with CACHE 1 and NO CYCLE"),
+				 errdetail("Fencing tokens must grow across all sessions.")));
+	ReleaseSysCache(seqtup);
+
+	/* Keep the primary key's IndexInfo for the inserts. */
+	if (keytable_cxt == NULL)
+		keytable_cxt = AllocSetContextCreate(CacheMemoryContext,
+											 "idem key table",
+											 ALLOCSET_SMALL_SIZES);
+	else
+		MemoryContextReset(keytable_cxt);
+	{
+		MemoryContext old = MemoryContextSwitchTo(keytable_cxt);
+
+		pkey_info = BuildIndexInfo(pkey);
+		MemoryContextSwitchTo(old);
+	}
+	pkey_relid = pkid;
+	index_close(pkey, NoLock);
+}
+
+/*
+ * Open idem.keys for a call of the SQL function "what" on (scope, key),
+ * with AccessShareLock until the end of the transaction.  scope and key
+ * may be NULL (purge).
+ */
+void
+keytable_open(KeyTable *kt, const char *what, text *scope, text *key)
+{
+	uint64		inval_count;
+
+	kt->rel = open_keys_relation(AccessShareLock);
+	inval_count = keys_inval_count;
+	if (shape_checked != inval_count + 1)
+	{
+		check_shape(kt->rel);
+		if (inval_count == keys_inval_count)
+			shape_checked = inval_count + 1;
+	}
+	kt->pkey = index_open(pkey_relid, AccessShareLock);
+	kt->writable = false;
+	kt->slot = table_slot_create(kt->rel, NULL);
+	kt->what = what;
+	kt->scope = scope;
+	kt->key = key;
+}
+
+/* Close what keytable_open opened; the locks stay until the transaction ends. */
+void
+keytable_close(KeyTable *kt)
+{
+	ExecDropSingleTupleTableSlot(kt->slot);
+	index_close(kt->pkey, NoLock);
+	table_close(kt->rel, NoLock);
+}
+
+/*
+ * Every write goes through here first: refuse read-only transactions and
+ * recovery, as nextval() does, and take the lock a writer takes.
+ */
+void
+keytable_prepare_write(KeyTable *kt)
+{
+	if (kt->writable)
+		return;
+	PreventCommandIfReadOnly(kt->what);
+	PreventCommandIfParallelMode(kt->what);
+	PreventCommandDuringRecovery(kt->what);
+	LockRelationOid(RelationGetRelid(kt->rel), RowExclusiveLock);
+	LockRelationOid(RelationGetRelid(kt->pkey), RowExclusiveLock);
+	kt->writable = true;
+}
+
+/* Error context of a wait for another transaction. */
+static void
+wait_context(void *arg)
+{
+	KeyTable   *kt = (KeyTable *) arg;
+
+	errcontext("waiting for the transaction that holds idempotency key \"%s\"",
+			   idem_key_for_message(kt->key));
+}
+
+/*
+ * Fill *row from the version in the slot.  The body is copied into
+ * body_cxt, or left out if body_cxt is NULL.
+ */
+static void
+set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
+{
+	Datum	   *values;
+	bool	   *nulls;
+	bytea	   *fp;
+
+	slot_getallattrs(slot);
+	values = slot->tts_values;
+	nulls = slot->tts_isnull;
+
+	memset(row, 0, sizeof(KeyRow));
+	row->found = true;
+	fp = DatumGetByteaPP(values[Anum_keys_fingerprint - 1]);
+	if (VARSIZE_ANY_EXHDR(fp) == IDEM_FINGERPRINT_LEN)
+		memcpy(row->fingerprint, VARDATA_ANY(fp), IDEM_FINGERPRINT_LEN);
+	row->token = DatumGetInt64(values[Anum_keys_token - 1]);
+	row->done = !nulls[Anum_keys_status - 1];
+	row->status = row->done ? DatumGetInt32(values[Anum_keys_status - 1]) : 0;
+	row->body_size = -1;
+	if (!nulls[Anum_keys_body - 1])
+	{
+		row->body_size = (int32) (toast_raw_datum_size(values[Anum_keys_body - 1]) -
+								  VARHDRSZ);
+		if (body_cxt != NULL)
+		{
+			MemoryContext old = MemoryContextSwitchTo(body_cxt);
+
+			row->body = DatumGetByteaPCopy(values[Anum_keys_body - 1]);
+			MemoryContextSwitchTo(old);
+		}
+	}
+	row->has_lease = !nulls[Anum_keys_lease_until - 1];
+	row->lease_until = row->has_lease ?
+		DatumGetTimestampTz(values[Anum_keys_lease_until - 1]) : 0;
+	row->expires_at = DatumGetTimestampTz(values[Anum_keys_expires_at - 1]);
+	{
+		bool		should_free;
+		HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
+
+		row->xmin = HeapTupleHeaderGetXmin(tuple->t_data);
+		if (should_free)
+			heap_freetuple(tuple);
+	}
+	row->tid = slot->tts_tid;
+}
+
+/*
+ * Find the key through the primary key with snapshot; the version found
+ * is left in the slot.
+ */
+static bool
+fetch_key(KeyTable *kt, Snapshot snapshot)
+{
+	ScanKeyData skey[2];
+	IndexScanDesc scan;
+	bool		found;
+
+	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
+						   kt->pkey->rd_indcollation[0], F_TEXTEQ,
+						   PointerGetDatum(kt->scope));
+	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
+						   kt->pkey->rd_indcollation[1], F_TEXTEQ,
+						   PointerGetDatum(kt->key));
+	scan = idem_index_beginscan(kt->rel, kt->pkey, snapshot, 2, 0);
+	index_rescan(scan, skey, 2, NULL, 0);
+	found = index_getnext_slot(scan, ForwardScanDirection, kt->slot);
+	index_endscan(scan);
+	return found;
+}
+
+/*
+ * Read the key as a plain SELECT would, without locking it: with the
+ * statement's snapshot (a new one per call in READ COMMITTED, the
+ * transaction's in REPEATABLE READ and SERIALIZABLE, which also takes the
+ * usual SSI predicate locks).  Returns row->found.
+ */
+bool
+keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
+{
+	Snapshot	snapshot;
+
+	/* See this transaction's own earlier writes, as a new statement would. */
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	if (fetch_key(kt, snapshot))
+		set_row(row, kt->slot, body_cxt);
+	else
+		memset(row, 0, sizeof(KeyRow));
+	UnregisterSnapshot(snapshot);
+	return row->found;
+}
+
+/*
+ * Look at the key with a dirty snapshot: is there a version a snapshot
+ * cannot see yet (committed since, or being inserted or deleted by a
+ * running transaction)?  Never waits.
+ */
+KeyProbe
+keytable_probe(KeyTable *kt, KeyWaiter *waiter)
+{
+	SnapshotData snap;
+	ScanKeyData skey[2];
+	IndexScanDesc scan;
+	KeyProbe	result = PROBE_NONE;
+
+	InitDirtySnapshot(snap);
+	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
+						   kt->pkey->rd_indcollation[0], F_TEXTEQ,
+						   PointerGetDatum(kt->scope));
+	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
+						   kt->pkey->rd_indcollation[1], F_TEXTEQ,
+						   PointerGetDatum(kt->key));
+	scan = idem_index_beginscan(kt->rel, kt->pkey, &snap, 2, 0);
+	index_rescan(scan, skey, 2, NULL, 0);
+	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
+	{
+		if (TransactionIdIsValid(snap.xmin) || TransactionIdIsValid(snap.xmax))
+		{
+			waiter->xid = TransactionIdIsValid(snap.xmin) ? snap.xmin : snap.xmax;
+			waiter->spec_token = snap.speculativeToken;
+			waiter->tid = kt->slot->tts_tid;
+			result = PROBE_IN_PROGRESS;
+			break;
+		}
+		result = PROBE_COMMITTED;
+	}
+	index_endscan(scan);
+	return result;
+}
+
+/* Wait for the transaction a probe found inserting or deleting the key. */
+void
+keytable_wait(KeyTable *kt, KeyWaiter *waiter)
+{
+	ErrorContextCallback errcb;
+
+	errcb.callback = wait_context;
+	errcb.arg = kt;
+	errcb.previous = error_context_stack;
+	error_context_stack = &errcb;
+	if (waiter->spec_token != 0)
+		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
+	else
+		XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,
+						  XLTW_InsertIndexUnique);
+	error_context_stack = errcb.previous;
+}
+
+/* A heap tuple of idem.keys with the values of kv. */
+static HeapTuple
+form_row(KeyTable *kt, KeyValues *kv)
+{
+	Datum		values[Natts_keys];
+	bool		nulls[Natts_keys];
+
+	memset(nulls, false, sizeof(nulls));
+	values[Anum_keys_scope - 1] = PointerGetDatum(kt->scope);
+	values[Anum_keys_key - 1] = PointerGetDatum(kt->key);
+	values[Anum_keys_fingerprint - 1] = PointerGetDatum(kv->fingerprint);
+	values[Anum_keys_token - 1] = Int64GetDatum(kv->token);
+	values[Anum_keys_status - 1] = Int32GetDatum(kv->status);
+	nulls[Anum_keys_status - 1] = !kv->done;
+	values[Anum_keys_body - 1] = PointerGetDatum(kv->body);
+	nulls[Anum_keys_body - 1] = (kv->body == NULL);
+	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(kv->lease_until);
+	nulls[Anum_keys_lease_until - 1] = !kv->has_lease;
+	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(kv->expires_at);
+	return heap_form_tuple(RelationGetDescr(kt->rel), values, nulls);
+}
+
+/* Add the primary key entry of a new version of the key's row. */
+static bool
+insert_pkey_entry(KeyTable *kt, ItemPointer tid, IndexUniqueCheck check)
+{
+	Datum		values[2];
+	bool		nulls[2] = {false, false};
+
+	values[0] = PointerGetDatum(kt->scope);
+	values[1] = PointerGetDatum(kt->key);
+	return index_insert(kt->pkey, values, nulls, tid, kt->rel, check,
+						check == UNIQUE_CHECK_YES, pkey_info);
+}
+
+/* The next fencing token. */
+int64
+keytable_next_token(void)
+{
+	return nextval_internal(token_seq_relid, false);
+}
+
+/*
+ * Insert the key as a new row with the values of kv, drawing its token.
+ * Returns false, having inserted nothing and without waiting, if another
+ * transaction inserted the key first; keytable_probe then tells who.
+ *
+ * The token is drawn before the insertion, but kept only if no other
+ * token was drawn until the row was ours: otherwise another claim of this
+ * key could have got a greater token, committed and released the key in
+ * between, and the row gets a token drawn now, greater than that one.
+ */
+bool
+keytable_insert(KeyTable *kt, KeyValues *kv)
+{
+	TransactionId xid;
+	uint32		spec_token;
+	HeapTuple	tuple;
+	bool		unique;
+
+	keytable_prepare_write(kt);
+	xid = GetCurrentTransactionId();
+	kv->token = keytable_next_token();
+	tuple = form_row(kt, kv);
+
+	spec_token = SpeculativeInsertionLockAcquire(xid);
+	HeapTupleHeaderSetSpeculativeToken(tuple->t_data, spec_token);
+	heap_insert(kt->rel, tuple, GetCurrentCommandId(true),
+				HEAP_INSERT_SPECULATIVE, NULL);
+	unique = insert_pkey_entry(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
+	if (unique)
+		heap_finish_speculative(kt->rel, &tuple->t_self);
+	else
+		heap_abort_speculative(kt->rel, &tuple->t_self);
+	SpeculativeInsertionLockRelease(xid);
+
+	if (unique)
+	{
+		int64		next = keytable_next_token();
+
+		if (next != kv->token + 1)
+		{
+			HeapTuple	newtuple;
+
+			kv->token = next;
+			newtuple = form_row(kt, kv);
+			CommandCounterIncrement();
+			idem_simple_heap_update(kt->rel, &tuple->t_self, newtuple);
+			if (!HeapTupleIsHeapOnly(newtuple))
+				insert_pkey_entry(kt, &newtuple->t_self, UNIQUE_CHECK_YES);
+			heap_freetuple(newtuple);
+		}
+	}
+	heap_freetuple(tuple);
+	return unique;
+}
+
+/*
+ * Lock the key's row as SELECT ... FOR UPDATE would.
+ *
+ * With latest, find the row with a new snapshot and lock its latest
+ * version, waiting for a transaction that holds it (READ COMMITTED; in
+ * REPEATABLE READ and SERIALIZABLE a version newer than the snapshot is a
+ * serialization failure).  Otherwise lock exactly the version in *row, as
+ * keytable_read found it: KEYLOCK_CHANGED if it was updated since, so
+ * that the caller decides again from the new version instead of holding a
+ * lock it will not use.  skip: never wait, KEYLOCK_BUSY instead.
+ *
+ * On KEYLOCK_OK, *row is the locked version and the slot holds it.
+ */
+KeyLock
+keytable_lock(KeyTable *kt, KeyRow *row, bool latest, bool skip,
+			  MemoryContext body_cxt)
+{
+	Snapshot	snapshot;
+	ItemPointerData tid;
+	TM_FailureData tmfd;
+	TM_Result	result;
+	ErrorContextCallback errcb;
+	KeyLock		lock = KEYLOCK_OK;
+
+	keytable_prepare_write(kt);
+	CommandCounterIncrement();
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	if (latest)
+	{
+		if (!fetch_key(kt, snapshot))
+		{
+			KeyWaiter	waiter;
+
+			/* A version the transaction's snapshot cannot see? */
+			while (IsolationUsesXactSnapshot() &&
+				   keytable_probe(kt, &waiter) != PROBE_NONE)
+			{
+				if (TransactionIdIsValid(waiter.xid) && !skip &&
+					!TransactionIdIsCurrentTransactionId(waiter.xid))
+				{
+					keytable_wait(kt, &waiter);
+					waiter.xid = InvalidTransactionId;
+					continue;
+				}
+				ereport(ERROR,
+						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+						 errmsg("could not serialize access due to concurrent update")));
+			}
+			UnregisterSnapshot(snapshot);
+			memset(row, 0, sizeof(KeyRow));
+			return KEYLOCK_GONE;
+		}
+		tid = kt->slot->tts_tid;
+	}
+	else
+		tid = row->tid;
+
+	errcb.callback = wait_context;
+	errcb.arg = kt;
+	errcb.previous = error_context_stack;
+	error_context_stack = &errcb;
+	ExecClearTuple(kt->slot);
+	result = table_tuple_lock(kt->rel, &tid, snapshot, kt->slot,
+							  GetCurrentCommandId(true), LockTupleExclusive,
+							  skip ? LockWaitSkip : LockWaitBlock,
+							  (latest && !IsolationUsesXactSnapshot()) ?
+							  TUPLE_LOCK_FLAG_FIND_LAST_VERSION : 0,
+							  &tmfd);
+	error_context_stack = errcb.previous;
+	UnregisterSnapshot(snapshot);
+
+	switch (result)
+	{
+		case TM_Ok:
+			set_row(row, kt->slot, body_cxt);
+			break;
+		case TM_WouldBlock:
+			lock = KEYLOCK_BUSY;
+			break;
+		case TM_Updated:
+		case TM_Deleted:
+			if (IsolationUsesXactSnapshot())
+				ereport(ERROR,
+						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+						 errmsg("could not serialize access due to concurrent %s",
+								result == TM_Updated ? "update" : "delete")));
+			lock = (result == TM_Deleted) ? KEYLOCK_GONE : KEYLOCK_CHANGED;
+			break;
+		case TM_SelfModified:
+			/* Changed by this transaction after the version was read. */
+			lock = KEYLOCK_CHANGED;
+			break;
+		default:
+			elog(ERROR, "unexpected table_tuple_lock status: %u", result);
+	}
+	if (lock != KEYLOCK_OK)
+		memset(row, 0, sizeof(KeyRow));
+	return lock;
+}
+
+/* Replace the version locked by keytable_lock with the values of kv. */
+void
+keytable_update(KeyTable *kt, KeyValues *kv)
+{
+	HeapTuple	tuple = form_row(kt, kv);
+	ItemPointerData otid = kt->slot->tts_tid;
+
+	keytable_prepare_write(kt);
+	if (idem_simple_heap_update(kt->rel, &otid, tuple))
+		insert_pkey_entry(kt, &tuple->t_self, UNIQUE_CHECK_YES);
+	heap_freetuple(tuple);
+}
+
+/* Delete the version locked by keytable_lock. */
+void
+keytable_delete(KeyTable *kt)
+{
+	ItemPointerData tid = kt->slot->tts_tid;
+
+	keytable_prepare_write(kt);
+	simple_heap_delete(kt->rel, &tid);
+}
+
+/*
+ * Delete up to limit rows that expired at or before now, walking the table
+ * in physical order from *cursor, which is moved past the last row looked
+ * at.  *at_end is set if the scan reached the end of the table.  A row is
+ * deleted only if the version found expired is still the latest and no
+ * transaction holds it: the delete never waits.
+ */
+int64
+keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
+					 bool *at_end)
+{
+	KeyTable	kt;
+	CommandId	cid;
+	ItemPointerData last;
+	Snapshot	snapshot;
+	TableScanDesc scan;
+	int64		n = 0;
+
+	keytable_open(&kt, "idem_purge()", NULL, NULL);
+	keytable_prepare_write(&kt);
+
+	/* See this transaction's earlier writes; delete with a later command id. */
+	CommandCounterIncrement();
+	cid = GetCurrentCommandId(true);
+	snapshot = RegisterSnapshot(GetTransactionSnapshot());
+	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
+	scan = table_beginscan_tidrange(kt.rel, snapshot, cursor, &last);
+	*at_end = true;
+	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, kt.slot))
+	{
+		ItemPointerData tid = kt.slot->tts_tid;
+		bool		isnull;
+		TM_FailureData tmfd;
+
+		ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
+					   ItemPointerGetOffsetNumber(&tid) + 1);
+		if (DatumGetTimestampTz(slot_getattr(kt.slot, Anum_keys_expires_at,
+											 &isnull)) > now)
+			continue;
+		if (table_tuple_delete(kt.rel, &tid, cid, snapshot, InvalidSnapshot,
+							   false, &tmfd, false) == TM_Ok)
+			n++;
+		if (n >= limit)
+		{
+			*at_end = false;
+			break;
+		}
+	}
+	table_endscan(scan);
+	UnregisterSnapshot(snapshot);
+	keytable_close(&kt);
+	return n;
+}
+
+/* A key for an error message: at most 64 bytes, cut at a character. */
+char *
+idem_key_for_message(text *key)
+{
+	const char *s;
+	int			len;
+	int			cut;
+
+	if (key == NULL)
+		return pstrdup("");
+	s = VARDATA_ANY(key);
+	len = VARSIZE_ANY_EXHDR(key);
+	if (len <= 64)
+		return text_to_cstring(key);
+	cut = pg_mbcliplen(s, len, 64);
+	return psprintf("%.*s...", cut, s);
+}

@@ -1,0 +1,104 @@
+/*-------------------------------------------------------------------------
+ *
+ * keytable.h
+ *	  The storage of idempotency keys: every read and write of idem.keys.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_KEYTABLE_H
+#define IDEM_KEYTABLE_H
+
+#include "postgres.h"
+
+#include "access/tableam.h"
+#include "executor/tuptable.h"
+#include "storage/itemptr.h"
+#include "utils/rel.h"
+
+#include "idem.h"
+
+/* One version of a key's row, as read. */
+typedef struct KeyRow
+{
+	bool		found;
+	uint8		fingerprint[IDEM_FINGERPRINT_LEN];
+	int64		token;
+	bool		done;
+	int32		status;
+	bytea	   *body;			/* NULL if none, or not asked for */
+	int32		body_size;		/* -1 if no body */
+	bool		has_lease;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+	TransactionId xmin;
+	ItemPointerData tid;
+} KeyRow;
+
+/* An open idem.keys and its primary key, for one call. */
+typedef struct KeyTable
+{
+	Relation	rel;
+	Relation	pkey;
+	bool		writable;		/* keytable_prepare_write done */
+	TupleTableSlot *slot;		/* the version last read or locked */
+	const char *what;			/* the SQL function, for error messages */
+	text	   *scope;			/* the key being worked on */
+	text	   *key;
+} KeyTable;
+
+/* What a dirty probe of the primary key found for a key. */
+typedef enum KeyProbe
+{
+	PROBE_NONE,					/* no live version */
+	PROBE_COMMITTED,			/* a committed version */
+	PROBE_IN_PROGRESS			/* inserted or deleted by a running xact */
+} KeyProbe;
+
+/* Who a PROBE_IN_PROGRESS waits for. */
+typedef struct KeyWaiter
+{
+	TransactionId xid;
+	uint32		spec_token;
+	ItemPointerData tid;
+} KeyWaiter;
+
+/* Outcome of keytable_lock. */
+typedef enum KeyLock
+{
+	KEYLOCK_OK,					/* locked; the slot holds the locked version */
+	KEYLOCK_GONE,				/* no live row */
+	KEYLOCK_CHANGED,			/* the version read was updated since */
+	KEYLOCK_BUSY				/* skip mode: another transaction holds it */
+} KeyLock;
+
+/* The columns of a new or changed row. */
+typedef struct KeyValues
+{
+	bytea	   *fingerprint;
+	int64		token;
+	bool		done;
+	int32		status;
+	bytea	   *body;			/* NULL for none */
+	bool		has_lease;
+	TimestampTz lease_until;
+	TimestampTz expires_at;
+} KeyValues;
+
+extern void keytable_open(KeyTable *kt, const char *what, text *scope,
+						  text *key);
+extern void keytable_close(KeyTable *kt);
+extern void keytable_prepare_write(KeyTable *kt);
+extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
+extern KeyProbe keytable_probe(KeyTable *kt, KeyWaiter *waiter);
+extern void keytable_wait(KeyTable *kt, KeyWaiter *waiter);
+extern bool keytable_insert(KeyTable *kt, KeyValues *kv);
+extern KeyLock keytable_lock(KeyTable *kt, KeyRow *row, bool latest,
+							 bool skip, MemoryContext body_cxt);
+extern void keytable_update(KeyTable *kt, KeyValues *kv);
+extern void keytable_delete(KeyTable *kt);
+extern int64 keytable_next_token(void);
+extern int64 keytable_purge_batch(TimestampTz now, int limit,
+								  ItemPointer cursor, bool *at_end);
+extern char *idem_key_for_message(text *key);
+
+#endif							/* IDEM_KEYTABLE_H */
