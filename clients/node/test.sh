@@ -50,7 +50,7 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 
 	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
 
 {
-	node --test --test-reporter=tap --test-concurrency=1 test/*.test.js
+	node --test --test-reporter=tap --test-concurrency=1 ${IDEM_NODE_TESTS:-test/*.test.js}
 	echo $? >"$work/rc"
 } 2>&1 | tee "$work/node.log"
 
