@@ -1,0 +1,166 @@
+'use strict';
+
+// The one-transaction helper: claim, business writes and response commit
+// together on the caller's client.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { Guard, Outcome, transaction, IdemError } = require('..');
+const { makePool, uniqueKey, sleep, lookup, countOutcomes } = require('./helpers');
+
+const pool = makePool({ max: 12 });
+const table = `stock_${process.pid}`;
+
+test.before(async () => {
+  await pool.query(`CREATE TABLE ${table} (sku text PRIMARY KEY, qty integer NOT NULL)`);
+});
+test.after(async () => {
+  await pool.query(`DROP TABLE IF EXISTS ${table}`);
+  await pool.end();
+});
+
+async function resetStock(sku, qty) {
+  await pool.query(`INSERT INTO ${table} VALUES ($1, $2) ON CONFLICT (sku) DO UPDATE SET qty = EXCLUDED.qty`, [sku, qty]);
+}
+
+async function stockOf(sku) {
+  return (await pool.query(`SELECT qty FROM ${table} WHERE sku = $1`, [sku])).rows[0].qty;
+}
+
+function order(sku, delayMs, calls) {
+  return async (claim) => {
+    calls.n += 1;
+    if (delayMs) await sleep(delayMs);
+    await claim.client.query(`UPDATE ${table} SET qty = qty - 1 WHERE sku = $1`, [sku]);
+    return { status: 201, body: Buffer.from(JSON.stringify({ sku, token: String(claim.token) })) };
+  };
+}
+
+test('executed: the write and the response commit together; a retry replays', async () => {
+  await resetStock('A', 10);
+  const key = uniqueKey('tx');
+  const calls = { n: 0 };
+  const c = await pool.connect();
+  try {
+    const r = await transaction(c, key, 'sku=A&qty=1', order('A', 0, calls));
+    assert.equal(r.outcome, Outcome.EXECUTED);
+    assert.equal(typeof r.token, 'bigint');
+    assert.equal(r.response.status, 201);
+    assert.equal(await stockOf('A'), 9);
+    assert.equal((await lookup(pool, key)).state, 'DONE');
+    const again = await transaction(c, key, 'sku=A&qty=1', order('A', 0, calls));
+    assert.equal(again.outcome, Outcome.REPLAYED);
+    assert.equal(again.response.status, 201);
+    assert.deepEqual(again.response.body, r.response.body);
+    assert.equal(calls.n, 1);
+    assert.equal(await stockOf('A'), 9);
+  } finally {
+    c.release();
+  }
+});
+
+test('eight concurrent clients: stock decremented once, the other seven wait and replay', async () => {
+  await resetStock('B', 10);
+  const key = uniqueKey('tx-8');
+  const calls = { n: 0 };
+  const clients = await Promise.all(Array.from({ length: 8 }, () => pool.connect()));
+  try {
+    const results = await Promise.all(clients.map((c) => transaction(c, key, 'sku=B&qty=1', order('B', 20, calls))));
+    const counts = countOutcomes(results);
+    assert.equal(counts.executed, 1, JSON.stringify(counts));
+    assert.equal(counts.replayed, 7, JSON.stringify(counts));
+    assert.equal(calls.n, 1);
+    assert.equal(await stockOf('B'), 9);
+    const body = results.find((r) => r.outcome === Outcome.EXECUTED).response.body;
+    for (const r of results) assert.deepEqual(r.response.body, body);
+  } finally {
+    for (const c of clients) c.release();
+  }
+});
+
+test('a handler error rolls everything back: the error as thrown, stock unchanged, the key free', async () => {
+  await resetStock('C', 10);
+  const key = uniqueKey('tx-fail');
+  const c = await pool.connect();
+  try {
+    const boom = new Error('card declined');
+    await assert.rejects(transaction(c, key, 'fp', async (claim) => {
+      await claim.client.query(`UPDATE ${table} SET qty = qty - 1 WHERE sku = 'C'`);
+      throw boom;
+    }), (e) => e === boom);
+    assert.equal(await stockOf('C'), 10);
+    assert.equal(await lookup(pool, key), null);
+    const calls = { n: 0 };
+    assert.equal((await transaction(c, key, 'fp', order('C', 0, calls))).outcome, Outcome.EXECUTED);
+    assert.equal(await stockOf('C'), 9);
+  } finally {
+    c.release();
+  }
+});
+
+test('a statement that failed inside the handler (error swallowed): storing the response fails (25P02), nothing committed', async () => {
+  await resetStock('D', 10);
+  const key = uniqueKey('tx-aborted');
+  const c = await pool.connect();
+  try {
+    await assert.rejects(transaction(c, key, 'fp', async (claim) => {
+      await claim.client.query(`UPDATE ${table} SET qty = qty - 1 WHERE sku = 'D'`);
+      await claim.client.query('SELECT 1/0').catch(() => {});
+      return { status: 200 };
+    }), (e) => e instanceof IdemError && e.code === '25P02');
+    assert.equal(await stockOf('D'), 10);
+    assert.equal(await lookup(pool, key), null);
+  } finally {
+    c.release();
+  }
+});
+
+test('conflict and in flight: nothing written, the handler not called', async () => {
+  await resetStock('E', 10);
+  const c = await pool.connect();
+  const calls = { n: 0 };
+  try {
+    const key = uniqueKey('tx-conflict');
+    await transaction(c, key, 'sku=E&qty=1', order('E', 0, calls));
+    const r = await transaction(c, key, 'sku=E&qty=2', order('E', 0, calls));
+    assert.equal(r.outcome, Outcome.CONFLICT);
+    assert.equal(r.response, null);
+
+    // A guard's claim is committed on its own: the helper sees it in flight.
+    const key2 = uniqueKey('tx-inflight');
+    const guard = new Guard(pool, { lease: 10000 });
+    let release;
+    const gate = new Promise((resolve) => { release = resolve; });
+    let started = false;
+    const held = guard.do(key2, 'fp', async () => { started = true; await gate; return { status: 200 }; });
+    while (!started) await sleep(5);
+    const r2 = await transaction(c, key2, 'fp', order('E', 0, calls));
+    assert.equal(r2.outcome, Outcome.IN_FLIGHT);
+    release();
+    await held;
+    assert.equal(calls.n, 1);
+    assert.equal(await stockOf('E'), 9);
+  } finally {
+    c.release();
+  }
+});
+
+test('Guard#transaction uses the guard\'s schema, scope and clock', async () => {
+  await resetStock('F', 10);
+  const c = await pool.connect();
+  const calls = { n: 0 };
+  try {
+    const guard = new Guard(pool, { scope: 'tenant-f', lease: 10000, retention: 3600000 });
+    const key = uniqueKey('tx-guard');
+    assert.equal((await guard.transaction(c, key, 'fp', order('F', 0, calls))).outcome, Outcome.EXECUTED);
+    assert.equal((await lookup(pool, key, 'tenant-f')).state, 'DONE');
+    assert.equal((await guard.transaction(c, key, 'fp', order('F', 0, calls))).outcome, Outcome.REPLAYED);
+    // After the window (clock moved two hours) the key is new again.
+    const r = await guard.transaction(c, key, 'fp', order('F', 0, calls), { clockOffset: 7200 });
+    assert.equal(r.outcome, Outcome.EXECUTED);
+    assert.equal(calls.n, 2);
+    assert.equal(await stockOf('F'), 8);
+  } finally {
+    c.release();
+  }
+});
