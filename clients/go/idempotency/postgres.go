@@ -241,7 +241,7 @@ func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now 
 // releaseQuietly gives up a claim whose commit may or may not have happened.
 func (s *PostgresStore) releaseQuietly(key string, token int64, now time.Time) {
 	d := s.Timeout
-	if d <= 0 || d < time.Second {
+	if d < 5*time.Second {
 		d = 5 * time.Second
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), d)
