@@ -64,7 +64,10 @@ async function requestBody(req, limit) {
   }
   const buf = Buffer.concat(chunks);
   req.rawBody = buf;
-  if (req.body === undefined) req.body = buf;
+  // Body parsers that did not match the content type leave {} behind.
+  const empty = req.body !== null && typeof req.body === 'object' && !Buffer.isBuffer(req.body) &&
+    Object.getPrototypeOf(req.body) === Object.prototype && Object.keys(req.body).length === 0;
+  if (req.body === undefined || empty) req.body = buf;
   req._body = true; // the stream is consumed: later body parsers skip it
   return buf;
 }

@@ -1,0 +1,224 @@
+'use strict';
+
+// The Express middleware over real HTTP (fetch) against a running app.
+
+const test = require('node:test');
+const assert = require('node:assert/strict');
+const { makePool, uniqueKey, sleep, lookup, listen, deadPool } = require('./helpers');
+const { createApp } = require('./app');
+
+const pool = makePool({ max: 12 });
+const servers = [];
+
+async function start(idemOptions, p = pool) {
+  const { app, state } = createApp(p, idemOptions);
+  const srv = await listen(app);
+  servers.push(srv);
+  return { url: srv.url, state };
+}
+
+test.after(async () => {
+  for (const s of servers) await s.close();
+  await pool.end();
+});
+
+function post(url, key, body, headers = {}, method = 'POST') {
+  const h = { 'Content-Type': 'application/json', ...headers };
+  if (key !== null) h['Idempotency-Key'] = key;
+  return fetch(url, { method, headers: h, body: typeof body === 'string' ? body : JSON.stringify(body) });
+}
+
+let def;
+test.before(async () => {
+  def = await start({});
+});
+
+test('400 when the key is required and missing; the handler not run', async () => {
+  const { url, state } = await start({ required: true });
+  const res = await post(`${url}/orders`, null, { item: 'book' });
+  assert.equal(res.status, 400);
+  assert.match(res.headers.get('content-type'), /^application\/problem\+json/);
+  const body = await res.json();
+  assert.equal(body.status, 400);
+  assert.equal(state.calls.orders, undefined);
+  // An unusable key (empty, too long) is a 400 too.
+  assert.equal((await post(`${def.url}/orders`, '', { item: 'x' })).status, 400);
+  assert.equal((await post(`${def.url}/orders`, 'k'.repeat(256), { item: 'x' })).status, 400);
+});
+
+test('pass-through without a key when not required, and for methods not configured', async () => {
+  const { url, state } = await start({});
+  const a = await post(`${url}/orders`, null, { item: 'book' });
+  const b = await post(`${url}/orders`, null, { item: 'book' });
+  assert.equal(a.status, 201);
+  assert.equal(b.status, 201);
+  assert.equal(a.headers.get('idempotent-replayed'), null);
+  assert.equal(b.headers.get('idempotent-replayed'), null);
+  assert.notDeepEqual(await a.json(), await b.json());
+  assert.equal(state.calls.orders, 2);
+  const key = uniqueKey('get');
+  for (let i = 0; i < 2; i++) {
+    const r = await fetch(`${url}/orders`, { headers: { 'Idempotency-Key': key } });
+    assert.equal(r.status, 200);
+  }
+  assert.equal(state.calls.get, 2);
+  assert.equal(await lookup(pool, key), null);
+});
+
+test('replay: same status, body, Content-Type and Location, with the replay marker; the handler ran once', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('replay');
+  const first = await post(`${url}/orders`, key, { item: 'book' });
+  assert.equal(first.status, 201);
+  assert.equal(first.headers.get('idempotent-replayed'), null);
+  const firstBody = await first.text();
+  const second = await post(`${url}/orders`, key, { item: 'book' });
+  assert.equal(second.status, 201);
+  assert.equal(second.headers.get('idempotent-replayed'), 'true');
+  assert.equal(second.headers.get('content-type'), 'application/json; charset=utf-8');
+  assert.equal(second.headers.get('location'), first.headers.get('location'));
+  assert.equal(await second.text(), firstBody);
+  assert.equal(state.calls.orders, 1);
+  // The handler got the claim's token (req.idempotency.token).
+  const row = await lookup(pool, key);
+  assert.equal(row.state, 'DONE');
+  assert.equal(row.status, 201);
+  assert.equal(JSON.parse(firstBody).token, String(row.token));
+  // A quoted key (sf-string) is the same key; PATCH is guarded too.
+  const third = await post(`${url}/orders`, `"${key}"`, { item: 'book' });
+  assert.equal(third.headers.get('idempotent-replayed'), 'true');
+  const pkey = uniqueKey('patch');
+  const p1 = await post(`${url}/orders/7`, pkey, { item: 'pen' }, {}, 'PATCH');
+  const p2 = await post(`${url}/orders/7`, pkey, { item: 'pen' }, {}, 'PATCH');
+  assert.equal(p1.status, 200);
+  assert.equal(p2.status, 200);
+  assert.equal(p2.headers.get('idempotent-replayed'), 'true');
+  assert.deepEqual(await p2.json(), { order: 7, item: 'pen' });
+  assert.equal(state.calls.patch, 1);
+});
+
+test('409 with Retry-After while the first request is in flight; then the replay', async () => {
+  const { url, state } = await start({ retryAfter: 2 });
+  let open;
+  state.gate = new Promise((resolve) => { open = resolve; });
+  const key = uniqueKey('inflight');
+  const first = post(`${url}/slow`, key, { n: 1 });
+  while (!state.calls.slow) await sleep(5);
+  const second = await post(`${url}/slow`, key, { n: 1 });
+  assert.equal(second.status, 409);
+  assert.equal(second.headers.get('retry-after'), '2');
+  assert.match(second.headers.get('content-type'), /^application\/problem\+json/);
+  assert.equal((await second.json()).status, 409);
+  open();
+  assert.equal((await first).status, 201);
+  const third = await post(`${url}/slow`, key, { n: 1 });
+  assert.equal(third.status, 201);
+  assert.equal(third.headers.get('idempotent-replayed'), 'true');
+  assert.equal(state.calls.slow, 1);
+});
+
+test('422 when the key is reused with another payload', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('reuse');
+  assert.equal((await post(`${url}/orders`, key, { item: 'book' })).status, 201);
+  const other = await post(`${url}/orders`, key, { item: 'lamp' });
+  assert.equal(other.status, 422);
+  assert.equal((await other.json()).status, 422);
+  const otherPath = await post(`${url}/work`, key, { item: 'book' });
+  assert.equal(otherPath.status, 422);
+  assert.equal(state.calls.orders, 1);
+  assert.equal(state.calls.work, undefined);
+});
+
+test('503 with Retry-After when idem is unavailable; the handler not run', async () => {
+  const dead = deadPool();
+  try {
+    const { url, state } = await start({ timeout: 2000 }, dead);
+    const res = await post(`${url}/orders`, uniqueKey('down'), { item: 'book' });
+    assert.equal(res.status, 503);
+    assert.equal(res.headers.get('retry-after'), '1');
+    assert.equal((await res.json()).status, 503);
+    assert.equal(state.calls.orders, undefined);
+  } finally {
+    await dead.end();
+  }
+});
+
+test('5xx answers and thrown errors are released by default: the retry runs the handler again', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('fail');
+  const a = await post(`${url}/fail`, key, {});
+  assert.equal(a.status, 500);
+  assert.deepEqual(await a.json(), { error: 'database down' });
+  assert.equal(await lookup(pool, key), null);
+  const b = await post(`${url}/fail`, key, {});
+  assert.equal(b.status, 500);
+  assert.equal(b.headers.get('idempotent-replayed'), null);
+  assert.equal(state.calls.fail, 2);
+
+  const key2 = uniqueKey('throw');
+  assert.equal((await post(`${url}/throw`, key2, {})).status, 500);
+  assert.equal(await lookup(pool, key2), null);
+  assert.equal((await post(`${url}/throw`, key2, {})).status, 500);
+  assert.equal(state.calls.throw, 2);
+});
+
+test('5xx answers are stored and replayed when storeServerErrors is set', async () => {
+  const { url, state } = await start({ storeServerErrors: true });
+  const key = uniqueKey('fail-stored');
+  assert.equal((await post(`${url}/fail`, key, {})).status, 500);
+  const row = await lookup(pool, key);
+  assert.equal(row.state, 'DONE');
+  assert.equal(row.status, 500);
+  const b = await post(`${url}/fail`, key, {});
+  assert.equal(b.status, 500);
+  assert.equal(b.headers.get('idempotent-replayed'), 'true');
+  assert.deepEqual(await b.json(), { error: 'database down' });
+  assert.equal(state.calls.fail, 1);
+});
+
+test('eight concurrent retries of one key: exactly one execution, the others 409 or the replay', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('concurrent');
+  const responses = await Promise.all(Array.from({ length: 8 }, () => post(`${url}/work`, key, { job: 1 })));
+  const statuses = responses.map((r) => r.status);
+  const replayed = responses.filter((r) => r.headers.get('idempotent-replayed') === 'true').length;
+  const fresh = responses.filter((r) => r.status === 201 && r.headers.get('idempotent-replayed') === null).length;
+  const busy = statuses.filter((s) => s === 409).length;
+  assert.equal(fresh, 1, `statuses ${statuses}`);
+  assert.equal(replayed + busy, 7, `statuses ${statuses}`);
+  for (const r of responses) if (r.status === 201) assert.deepEqual(await r.json(), { worked: 1 });
+  assert.equal(state.calls.work, 1);
+  const after = await post(`${url}/work`, key, { job: 1 });
+  assert.equal(after.headers.get('idempotent-replayed'), 'true');
+  assert.equal(state.calls.work, 1);
+});
+
+test('the scope comes from the caller\'s function: one key, two tenants, two executions', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('tenant');
+  const a = await post(`${url}/orders`, key, { item: 'book' }, { 'X-Tenant': 'acme' });
+  const b = await post(`${url}/orders`, key, { item: 'book' }, { 'X-Tenant': 'globex' });
+  assert.equal(a.status, 201);
+  assert.equal(b.status, 201);
+  assert.equal(b.headers.get('idempotent-replayed'), null);
+  assert.equal(state.calls.orders, 2);
+  assert.equal((await lookup(pool, key, 'acme')).state, 'DONE');
+  assert.equal((await lookup(pool, key, 'globex')).state, 'DONE');
+  assert.equal(await lookup(pool, key, ''), null);
+});
+
+test('a body no parser took is read raw for the fingerprint and handed on as a Buffer', async () => {
+  const { url, state } = await start({});
+  const key = uniqueKey('raw');
+  const send = (text) => fetch(`${url}/echo`, { method: 'POST', headers: { 'Content-Type': 'text/plain', 'Idempotency-Key': key }, body: text });
+  const a = await send('hello world');
+  assert.equal(a.status, 200);
+  assert.equal(await a.text(), 'got buffer 11');
+  const b = await send('hello world');
+  assert.equal(b.headers.get('idempotent-replayed'), 'true');
+  assert.equal(b.headers.get('content-type'), 'text/plain; charset=utf-8');
+  assert.equal(await b.text(), 'got buffer 11');
+  assert.equal((await send('hello there')).status, 422);
+  assert.equal(state.calls.echo, 1);
+});
