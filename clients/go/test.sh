@@ -16,11 +16,13 @@ root=$(cd "$here/../.." && pwd)
 port=55432
 dir=/tmp/idem-go-cluster.$$
 work=
+gotest=
 done_cleanup=
 
 cleanup() {
 	[ -n "$done_cleanup" ] && return
 	done_cleanup=1
+	[ -n "$gotest" ] && kill "$gotest" 2>/dev/null
 	if [ -d "$dir" ]; then
 		sh "$root/test/cluster.sh" stop "$dir" >/dev/null 2>&1
 		rm -rf "$dir"
@@ -67,13 +69,18 @@ mkdir -p "$work/gopath/src/idem/clients" &&
 [ -n "${GOCACHE:-}" ] || [ -n "${HOME:-}" ] || GOCACHE="$work/gocache"
 [ -n "${GOCACHE:-}" ] && export GOCACHE
 log="$work/go-test.log"
+# In the background, so that a signal interrupts the wait and the trap
+# stops the cluster at once.
 (
 	cd "$work/gopath/src/idem/clients/go" &&
 		GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
 			IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=postgres" \
-			go test -v -count=1 -timeout 300s ./idempotency/
-) >"$log" 2>&1
+			exec go test -v -count=1 -timeout 300s ./idempotency/
+) >"$log" 2>&1 &
+gotest=$!
+wait "$gotest"
 rc=$?
+gotest=
 cat "$log"
 
 # 4. Count the cases.
