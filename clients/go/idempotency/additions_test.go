@@ -134,11 +134,11 @@ func TestHeartbeat(t *testing.T) {
 		store.Scope = newScope(t)
 		var count opCounter
 		store.Fault = count.fault
-		g := &Guard{Store: store, Lease: 600 * time.Millisecond, Retention: time.Hour, Heartbeat: true}
-		other := &Guard{Store: store, Lease: 600 * time.Millisecond, Retention: time.Hour}
+		g := &Guard{Store: store, Lease: 900 * time.Millisecond, Retention: time.Hour, Heartbeat: true}
+		other := &Guard{Store: store, Lease: 900 * time.Millisecond, Retention: time.Hour}
 		var calls atomic.Int32
 		_, out, err := g.Do(bg, "hb-1", "fp", func(ctx context.Context) (Response, error) {
-			time.Sleep(1200 * time.Millisecond) // twice the lease
+			time.Sleep(2 * time.Second) // more than twice the lease
 			_, o, e := other.Do(bg, "hb-1", "fp", okHandler(&calls))
 			if o != InFlight || !errors.Is(e, ErrInFlight) {
 				t.Errorf("second caller after the first lease: out=%s err=%v", o, e)
@@ -152,7 +152,7 @@ func TestHeartbeat(t *testing.T) {
 			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
 		if n := count.extends(); n < 3 || n > 8 {
-			t.Fatalf("extends=%d, want about 6 (every 200 ms for 1.2 s)", n)
+			t.Fatalf("extends=%d, want about 6 (every 300 ms for 2 s)", n)
 		}
 		after := count.extends()
 		time.Sleep(500 * time.Millisecond)
