@@ -14,7 +14,7 @@ DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
 REGRESS = setup begin fingerprint complete lease release_extend savepoint purge bad_input \
-	settings go_scenarios interface inspect security upgrade
+	settings go_scenarios interface inspect storage security upgrade
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
 	--outputdir=test/output/regress
 

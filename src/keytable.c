@@ -228,10 +228,17 @@ check_shape(Relation rel)
 					 psprintf("it has CHECK constraint \"%s\", which idem does not check",
 							  desc->constr->check[0].ccname), NULL);
 	if (rel->trigdesc != NULL && rel->trigdesc->numtriggers > 0)
+	{
+		Trigger    *trigger = &rel->trigdesc->triggers[0];
+
+		if (OidIsValid(trigger->tgconstraint))
+			refuse_shape(rel,
+						 psprintf("it is referenced by foreign key \"%s\", which idem does not check",
+								  get_constraint_name(trigger->tgconstraint)), NULL);
 		refuse_shape(rel,
 					 psprintf("it has trigger \"%s\", which idem does not fire",
-							  rel->trigdesc->triggers[0].tgname),
-					 "A foreign key that references idem.keys is such a trigger.");
+							  trigger->tgname), NULL);
+	}
 
 	pkid = idem_primary_key_index(rel);
 	if (!OidIsValid(pkid))
@@ -754,14 +761,21 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		ItemPointerData tid = kt.slot->tts_tid;
 		bool		isnull;
 		TM_FailureData tmfd;
+		TM_Result	result;
 
 		ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
 					   ItemPointerGetOffsetNumber(&tid) + 1);
 		if (DatumGetTimestampTz(slot_getattr(kt.slot, Anum_keys_expires_at,
 											 &isnull)) > now)
 			continue;
-		if (table_tuple_delete(kt.rel, &tid, cid, snapshot, InvalidSnapshot,
-							   false, &tmfd, false) == TM_Ok)
+		result = table_tuple_delete(kt.rel, &tid, cid, snapshot,
+									InvalidSnapshot, false, &tmfd, false);
+		/* Locked by this transaction itself (it changed the key): no wait. */
+		if (result == TM_BeingModified &&
+			TransactionIdIsCurrentTransactionId(tmfd.xmax))
+			result = table_tuple_delete(kt.rel, &tid, cid, snapshot,
+										InvalidSnapshot, true, &tmfd, false);
+		if (result == TM_Ok)
 			n++;
 		if (n >= limit)
 		{

@@ -289,7 +289,7 @@ BEGIN;
 SELECT count(*) FROM idem_begin('ctl-done', 'ctl-fp', retention => '30 days', scope => 'ctl');
 SELECT idem_complete('ctl-done', 'ctl-fp', 200, '{"ok":true}', NULL, '30 days', 'ctl');
 SELECT count(*) FROM idem_begin('ctl-bin', 'ctl-fp', retention => '30 days');
-SELECT idem_complete('ctl-bin', 'ctl-fp', -7, (SELECT string_agg(set_byte('\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g), NULL, '30 days');
+SELECT idem_complete('ctl-bin', 'ctl-fp', 7, (SELECT string_agg(set_byte('\x00'::bytea, 0, g), ''::bytea) FROM generate_series(0, 255) g), NULL, '30 days');
 SELECT count(*) FROM idem_begin('ctl-big', 'ctl-fp', retention => '30 days', scope => 'ctl');
 SELECT idem_complete('ctl-big', 'ctl-fp', 2147483647, convert_to(repeat('B', 1048576), 'UTF8'), NULL, '30 days', 'ctl');
 SELECT count(*) FROM idem_begin('ctl-empty', 'ctl-fp', retention => '30 days');
