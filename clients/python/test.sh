@@ -1,0 +1,106 @@
+#!/bin/sh
+# Run the Python client's tests against a throwaway PostgreSQL cluster.
+#
+#   sh clients/python/test.sh
+#
+# Installs the Debian packages it needs if any is missing, starts a cluster
+# (test/cluster.sh, port 55442) with the idem extension, which must already
+# be installed (make && make install), runs pytest with /usr/bin/python3,
+# stops the cluster and every app server it started on exit, and prints
+# "N passed, N failed".  Exits non-zero on any failure.
+set -u
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(cd "$here/../.." && pwd)
+py=/usr/bin/python3
+port=${IDEM_PY_PORT:-55442}
+dir=/tmp/idem-python.$$
+
+# 1. Debian packages (python3 here is /usr/bin's; a pyenv on PATH does not
+#    see them).
+pkgs="python3 python3-psycopg python3-psycopg-pool python3-pytest \
+	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
+	python3-flask python3-werkzeug postgresql-client-15"
+missing=""
+for p in $pkgs; do
+	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
+		missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+	echo "installing:$missing"
+	sudo=""
+	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	export DEBIAN_FRONTEND=noninteractive
+	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		$sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+			--no-install-recommends $missing >/dev/null || {
+		echo "could not install:$missing" >&2
+		echo "0 passed, 1 failed"
+		exit 1
+	}
+fi
+
+# 4. Whatever happens, stop the app servers and the cluster.
+pytest_pid=""
+cleanup() {
+	[ -n "$pytest_pid" ] && kill "$pytest_pid" 2>/dev/null && sleep 1
+	if [ -f "$dir/app.pids" ]; then
+		while read -r pid; do
+			kill -9 "$pid" 2>/dev/null
+		done <"$dir/app.pids"
+	fi
+	[ -d "$dir/data" ] && sh "$top/test/cluster.sh" stop "$dir"
+	rm -rf "$dir"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# 2. The cluster.
+bindir=$(pg_config --bindir)
+if ! sh "$top/test/cluster.sh" start "$dir" "$port"; then
+	cat "$dir/server.log" "$dir/initdb.log" 2>/dev/null | tail -20 >&2
+	echo "0 passed, 1 failed"
+	exit 1
+fi
+
+# 3. The extension, then the tests.  The cluster's superuser is postgres,
+#    which the tests need to move time with idem.clock_offset.
+dsn="host=$dir port=$port user=postgres dbname=postgres"
+if ! "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE EXTENSION idem'; then
+	echo "idem is not installed: run make && make install first" >&2
+	echo "0 passed, 1 failed"
+	exit 1
+fi
+export IDEM_TEST_DSN="$dsn"
+# Nobody listens on this socket: the store is down.
+export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
+export IDEM_TEST_PIDFILE="$dir/app.pids"
+export PYTHONDONTWRITEBYTECODE=1
+export PYTHONPATH="$here/src:$here/tests"
+: >"$IDEM_TEST_PIDFILE"
+
+log="$dir/pytest.log"
+cd "$here"
+# In the background, so that a signal to this script is handled at once.
+"$py" -m pytest -p no:cacheprovider -q -rfE tests "$@" >"$log" 2>&1 &
+pytest_pid=$!
+wait "$pytest_pid"
+rc=$?
+pytest_pid=""
+cat "$log"
+
+summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1)
+[ -n "$summary" ] || summary=$(tail -1 "$log")
+count() {
+	echo "$summary" | grep -oE "[0-9]+ $1" | head -1 | cut -d' ' -f1
+}
+passed=$(count passed)
+failed=$(count failed)
+errors=$(count error)
+passed=${passed:-0}
+failed=$(( ${failed:-0} + ${errors:-0} ))
+if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
+	failed=1            # pytest itself failed (collection, no tests, crash)
+fi
+echo "$passed passed, $failed failed"
+[ "$rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]
