@@ -1,0 +1,536 @@
+#!/bin/bash
+# Build the Debian packages of idem and test them in a clean Debian 12
+# (bookworm) chroot (make deb).
+#
+#   test/deb.sh               build from the committed tree (git archive HEAD)
+#   test/deb.sh --worktree    build from the working tree as it is now
+#   test/deb.sh --prepare     only build (or check) the cached chroot
+#
+# 1. META.json is checked against the PGXN meta spec (test/pgxn_meta.pl),
+#    and its version against debian/changelog and idem.control.
+# 2. A clean copy of the tree is built on the host (Debian 12) with
+#    `dpkg-buildpackage -us -uc -b` (debian/: pg_buildext, one
+#    postgresql-NN-idem per version in debian/pgversions, and
+#    libidem-guard-dev).  The build dependencies are installed if missing.
+#    The .debs and the logs go to test/output/deb/ ($IDEM_DEB_OUT).
+# 3. A bookworm chroot is built with debootstrap (variant minbase) from the
+#    host's configured Debian mirror, with the host's Debian apt sources,
+#    and cached in $IDEM_DEB_CACHE (default /var/cache/idem-deb) for the
+#    next run.  Each run works in a throwaway overlay on top of it (a copy if
+#    overlayfs is not available), so the cached chroot stays clean.
+# 4. In that chroot: `apt-get install -y ./*.deb`; a server started as the
+#    unprivileged user idemtest with shared_preload_libraries = 'idem' runs
+#    CREATE EXTENSION idem, a claim, a complete and a replay; a program
+#    built against libidem-guard-dev (-lidem_guard -lpq -pthread) runs the
+#    guard against it; then `make installcheck` of the source tree, as
+#    idemtest, with the chroot's pg_config (pg_regress and isolation suites,
+#    each on its own temporary server; IDEM_DEB_TAP=1 adds the TAP suites).
+#
+# Mounts and processes started by a run are undone and stopped on exit, also
+# on failure or interruption.  Ends with one line "deb: N passed, N failed"
+# and exits non-zero if anything failed.  Needs root (debootstrap, chroot,
+# mount).
+set -u
+
+top=$(cd "$(dirname "$0")/.." && pwd)
+cache=${IDEM_DEB_CACHE:-/var/cache/idem-deb}
+out=${IDEM_DEB_OUT:-$top/test/output/deb}
+suite=bookworm
+pgv=15
+source_mode=head
+prepare_only=0
+case "${1:-}" in
+--worktree) source_mode=worktree ;;
+--prepare) prepare_only=1 ;;
+"") ;;
+*)
+	echo "usage: test/deb.sh [--worktree | --prepare]" >&2
+	exit 2
+	;;
+esac
+
+if [ "$(id -u)" -ne 0 ]; then
+	echo "test/deb.sh needs root (debootstrap, chroot, mount)" >&2
+	exit 2
+fi
+
+# The host's Debian mirror: the first non-security URI apt is configured with.
+mirror() {
+	local m=""
+	if [ -r /etc/apt/sources.list.d/debian.sources ]; then
+		m=$(awk '$1 == "URIs:" && $2 !~ /security/ { print $2; exit }' \
+			/etc/apt/sources.list.d/debian.sources)
+	fi
+	if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
+		m=$(awk '$1 == "deb" && $0 !~ /security/ {
+				for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
+			/etc/apt/sources.list)
+	fi
+	[ -n "$m" ] || return 1
+	echo "$m"
+}
+
+# State undone by cleanup: mounts (in reverse order), chroots whose
+# processes are stopped, the command running in its own process group, and
+# temporary directories.
+mounts=()
+chroots=()
+child=""
+build_dir=""
+run_dir=""
+
+# Stop every process whose root directory is the chroot $1 (servers a failed
+# step left behind); they hold the chroot's mounts busy.
+kill_chroot_processes() {
+	local root=$1 sig p pid left
+	for sig in TERM KILL; do
+		left=0
+		for p in /proc/[0-9]*; do
+			[ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] || continue
+			pid=${p#/proc/}
+			kill -s "$sig" "$pid" 2>/dev/null && left=1
+		done
+		[ "$left" -eq 0 ] && return 0
+		sleep 2
+	done
+}
+
+# Run a command in its own process group and wait for it; unlike a command
+# in the foreground, the wait ends as soon as this script gets a signal.
+run_child() {
+	local rc
+	setsid "$@" &
+	child=$!
+	wait "$child"
+	rc=$?
+	child=""
+	return $rc
+}
+
+# Nothing may be mounted below a directory before it is deleted.
+mounted_below() {
+	awk -v p="$1/" 'index($2, p) == 1 || $2 == substr(p, 1, length(p) - 1) { found = 1 }
+		END { exit !found }' /proc/mounts
+}
+
+cleanup() {
+	local i
+	if [ -n "$child" ]; then
+		kill -TERM -- "-$child" 2>/dev/null && sleep 2
+		kill -KILL -- "-$child" 2>/dev/null
+	fi
+	for i in "${chroots[@]+"${chroots[@]}"}"; do
+		kill_chroot_processes "$i"
+	done
+	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+		umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" 2>/dev/null ||
+			echo "could not unmount ${mounts[$i]}" >&2
+	done
+	mounts=()
+	chroots=()
+	[ -n "$build_dir" ] && rm -rf "$build_dir"
+	if [ -n "$run_dir" ]; then
+		if mounted_below "$run_dir"; then
+			echo "$run_dir still has mounts below it; not deleting it" >&2
+		else
+			rm -rf "$run_dir"
+		fi
+	fi
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# Mount $1 with the options that follow, private so that nothing mounted
+# below it propagates back to the host's own mount of the same source.
+mount_in() {
+	local target=$1
+	shift
+	mount "$@" "$target" || return 1
+	mounts+=("$target")
+	mount --make-private "$target"
+}
+
+# Mount what servers and apt need inside the chroot $1.
+mount_chroot() {
+	local root=$1
+	chroots+=("$root")
+	mount_in "$root/proc" -t proc proc &&
+		mount_in "$root/dev" --bind /dev &&
+		mount_in "$root/dev/pts" --bind /dev/pts &&
+		mount_in "$root/dev/shm" -t tmpfs -o mode=1777 shm
+}
+
+# Undo the mounts below $1 (and $1 itself) made by this run.
+unmount_below() {
+	local root=$1 i keep=()
+	kill_chroot_processes "$root"
+	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
+		case "${mounts[$i]}" in
+		"$root" | "$root"/*) umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" ;;
+		esac
+	done
+	for i in "${mounts[@]+"${mounts[@]}"}"; do
+		case "$i" in "$root" | "$root"/*) ;; *) keep+=("$i") ;; esac
+	done
+	mounts=("${keep[@]+"${keep[@]}"}")
+}
+
+# A command in the chroot $root, as root, with a clean environment.
+in_chroot() {
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive sh -ec "$1"
+}
+
+# A command in the chroot $root as the unprivileged user idemtest.
+as_idemtest() {
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		LANG=C.UTF-8 runuser -u idemtest -- /usr/bin/env HOME=/home/idemtest \
+		PATH=/usr/lib/postgresql/$pgv/bin:/usr/bin:/bin sh -ec "$1"
+}
+
+# The cached chroot: debootstrap's minbase of $suite plus apt configuration,
+# nothing else.  Reused only if its preparation finished (marker written
+# last) with the same recipe.
+recipe="$suite minbase, host Debian sources, v1"
+prepare_chroot() {
+	local root=$1 m marker=$1/.idem-deb-ready
+	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$recipe" ]; then
+		echo "reusing the $suite chroot in $root"
+		return 0
+	fi
+	if mounted_below "$root"; then
+		echo "$root has mounts below it; not deleting it" >&2
+		return 1
+	fi
+	m=$(mirror) || { echo "no Debian mirror configured in /etc/apt" >&2; return 1; }
+	command -v debootstrap >/dev/null || {
+		apt-get update -qq &&
+			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null ||
+			return 1
+	}
+	echo "preparing a $suite chroot in $root"
+	rm -rf "$root"
+	mkdir -p "$root"
+	debootstrap --variant=minbase "$suite" "$root" "$m" || return 1
+	# The same Debian suites as the host (updates, security), when the host
+	# is on $suite too: the packages built here depend on its server's
+	# minor version.
+	if [ -r /etc/apt/sources.list.d/debian.sources ] &&
+		grep -q "^Suites:.*\b$suite\b" /etc/apt/sources.list.d/debian.sources; then
+		cp /etc/apt/sources.list.d/debian.sources "$root/etc/apt/sources.list.d/debian.sources"
+		rm -f "$root/etc/apt/sources.list"
+	elif [ -r /etc/apt/sources.list ] && grep -q "^deb .* $suite main" /etc/apt/sources.list; then
+		grep "^deb .* $suite\(-[a-z]*\)\? main" /etc/apt/sources.list |
+			grep -v '\[' >"$root/etc/apt/sources.list"
+	fi
+	# The mirror may be a dated snapshot whose Release files are past their
+	# Valid-Until; apt in the chroot accepts them.
+	echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idem-deb"
+	# No service starts inside the chroot, and no default cluster is made.
+	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+	chmod 755 "$root/usr/sbin/policy-rc.d"
+	mkdir -p "$root/etc/postgresql-common"
+	echo "create_main_cluster = false" >"$root/etc/postgresql-common/createcluster.conf"
+	echo "$recipe" >"$marker"
+}
+
+mkdir -p "$cache"
+exec 9>"$cache/lock"
+if ! flock -n 9; then
+	echo "waiting for another test/deb.sh (lock $cache/lock)"
+	flock 9
+fi
+
+if [ "$prepare_only" -eq 1 ]; then
+	start=$SECONDS
+	prepare_chroot "$cache/$suite" || exit 1
+	echo "chroot preparation took $((SECONDS - start))s"
+	exit 0
+fi
+
+mkdir -p "$out"
+rm -f "$out"/*.deb "$out"/*.changes "$out"/*.buildinfo "$out"/*.log
+log=$out/test.log
+: >"$log"
+passed=0
+failed=0
+t_build=0
+t_chroot=0
+t_test=0
+
+result() {
+	echo "deb timings: build ${t_build}s, chroot ${t_chroot}s, test ${t_test}s; logs in $out"
+	echo "deb: $passed passed, $failed failed"
+	[ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]
+	exit
+}
+
+# Run check $1 (the rest is the command); its output goes to the log.
+check() {
+	local name=$1
+	shift
+	echo "== $name" >>"$log"
+	if "$@" >>"$log" 2>&1; then
+		passed=$((passed + 1))
+		echo "ok: $name"
+		return 0
+	fi
+	failed=$((failed + 1))
+	echo "FAILED: $name (see $log)"
+	tail -n 30 "$log" | sed 's/^/    /'
+	return 1
+}
+
+# 1. META.json.
+meta_versions() {
+	local meta changelog control
+	meta=$(perl -MJSON::PP -0777 -ne 'print decode_json($_)->{version}' "$top/META.json") &&
+		changelog=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) &&
+		control=$(sed -n "s/^default_version = '\(.*\)'/\1/p" "$top/idem.control") || return 1
+	echo "META.json $meta, debian/changelog $changelog, idem.control $control"
+	[ "$meta" = "$changelog" ] && [ "${meta%.0}" = "$control" ]
+}
+check "META.json against the PGXN meta spec" perl "$top/test/pgxn_meta.pl" "$top/META.json"
+check "versions agree" meta_versions
+
+# 2. Build.
+build_deps="dpkg-dev debhelper postgresql-server-dev-all libpq-dev"
+install_build_deps() {
+	local p missing=""
+	for p in $build_deps; do
+		dpkg-query -W -f='${db:Status-Status}' "$p" 2>/dev/null | grep -qx installed ||
+			missing="$missing $p"
+	done
+	[ -n "$missing" ] || return 0
+	echo "installing$missing"
+	apt-get update -qq &&
+		# shellcheck disable=SC2086
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
+			$missing >/dev/null
+}
+
+# A clean copy of the tree in $build_dir/idem-VERSION.
+copy_tree() {
+	local dest=$1
+	mkdir -p "$dest"
+	if [ "$source_mode" = head ]; then
+		git -C "$top" cat-file -e HEAD:debian/control 2>/dev/null || {
+			echo "debian/ is not committed; commit it or use --worktree"
+			return 1
+		}
+		git -C "$top" archive HEAD | tar -C "$dest" -xf -
+	else
+		tar -C "$top" --exclude=./.git --exclude='*.o' --exclude='*.bc' --exclude='*.so' \
+			--exclude='*.a' --exclude=./tmp_check --exclude=./tmp_check_iso \
+			--exclude=./results --exclude=./log \
+			--exclude=./test/output --exclude=./test/output-matrix \
+			--exclude=./test/bench/out --exclude=./test/guard/guard_test \
+			--exclude=./test/demo/idem_demo -cf - . | tar -C "$dest" -xf -
+	fi
+}
+
+build() {
+	local version src
+	version=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) || return 1
+	src=$build_dir/idem-$version
+	copy_tree "$src" || return 1
+	(cd "$src" && dpkg-buildpackage -us -uc -b) >"$out/build.log" 2>&1 || {
+		tail -n 40 "$out/build.log"
+		return 1
+	}
+	cp "$build_dir"/*.deb "$build_dir"/*.changes "$build_dir"/*.buildinfo "$out"/ &&
+		ls "$out"/*.deb
+}
+
+start=$SECONDS
+build_dir=$(mktemp -d /tmp/idem-deb-build.XXXXXX)
+check "build dependencies on the host" install_build_deps || result
+check "dpkg-buildpackage -us -uc -b (log: $out/build.log)" build || result
+t_build=$((SECONDS - start))
+# The test needs the extension's package, not its debug symbols.
+debs=()
+for f in "$out"/*.deb; do
+	case "$f" in *-dbgsym_*) ;; *) debs+=("$(basename "$f")") ;; esac
+done
+
+# 3. The chroot, and this run's overlay on top of it.
+start=$SECONDS
+check "the cached $suite chroot" prepare_chroot "$cache/$suite" || result
+t_chroot=$((SECONDS - start))
+
+start=$SECONDS
+run_dir=$(mktemp -d "$cache/run.XXXXXX")
+root=$run_dir/root
+overlay() {
+	mkdir -p "$run_dir/upper" "$run_dir/work" "$root"
+	if mount_in "$root" -t overlay overlay \
+		-o "lowerdir=$cache/$suite,upperdir=$run_dir/upper,workdir=$run_dir/work"; then
+		echo "overlay on $cache/$suite"
+	else
+		echo "no overlayfs: copying $cache/$suite"
+		cp -a "$cache/$suite/." "$root/"
+	fi
+	mount_chroot "$root" || return 1
+	# Downloaded packages are kept for the next run.
+	mkdir -p "$cache/archives/partial" &&
+		mount_in "$root/var/cache/apt/archives" --bind "$cache/archives" || return 1
+	cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+	mkdir -p "$root/build/debs"
+	cp "${debs[@]/#/$out/}" "$root/build/debs/"
+	copy_tree "$root/build/idem"
+}
+check "a throwaway overlay on the chroot" overlay || result
+
+# 4. Install and test.
+check "apt-get install -y ./*.deb (${debs[*]})" in_chroot "
+	chown _apt /var/cache/apt/archives/partial
+	apt-get update -qq
+	cd /build/debs && apt-get install -y ./*.deb
+	dpkg -l postgresql-$pgv-idem libidem-guard-dev postgresql-$pgv | grep '^ii'" || result
+
+installed_files() {
+	local f
+	for f in "postgresql-$pgv-idem:/usr/lib/postgresql/$pgv/lib/idem.so" \
+		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem.control" \
+		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem--1.0.sql" \
+		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem--1.0--1.1.sql" \
+		"libidem-guard-dev:/usr/include/postgresql/idem_guard.h" \
+		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/libidem_guard.a"; do
+		in_chroot "dpkg -S '${f#*:}' | grep -q '^${f%%:*}: '" || {
+			echo "${f#*:} is not in ${f%%:*}"
+			return 1
+		}
+		echo "${f#*:} ($(in_chroot "dpkg -S '${f#*:}'" | cut -d: -f1))"
+	done
+}
+check "files in their packages" installed_files || result
+
+# Tools for the tests only: make for installcheck, a compiler for the guard
+# program.
+check "make and gcc for the tests" in_chroot \
+	"apt-get install -y -qq --no-install-recommends make gcc libc6-dev >/dev/null" || result
+
+sock=/tmp/idem-deb-sock
+check "a server as idemtest with shared_preload_libraries = 'idem'" in_chroot "
+	useradd --create-home --shell /bin/sh idemtest
+	chown -R idemtest /build/idem
+	runuser -u idemtest -- sh -ec '
+		mkdir -p $sock
+		/usr/lib/postgresql/$pgv/bin/initdb -D /tmp/idem-deb-pg -A trust >/dev/null
+		/usr/lib/postgresql/$pgv/bin/pg_ctl -D /tmp/idem-deb-pg -l /tmp/idem-deb-pg.log -w \
+			-o \"-c listen_addresses= -k $sock -c shared_preload_libraries=idem\" start
+	'" || result
+
+sql_check() {
+	local got expected
+	expected='1.1
+t|PROCESSING
+t
+f|DONE|201|done
+1'
+	got=$(as_idemtest "psql -h $sock -d postgres -X -q -At -v ON_ERROR_STOP=1 <<'SQL'
+CREATE EXTENSION idem;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+BEGIN;
+SELECT claimed, state FROM idem_begin('deb-1', 'sku=A');
+SELECT idem_complete('deb-1', 'sku=A', 201, 'done') > now();
+COMMIT;
+SELECT claimed, state, status, convert_from(body, 'UTF8') FROM idem_begin('deb-1', 'sku=A');
+SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idem launcher';
+SQL") || { echo "$got"; return 1; }
+	echo "$got"
+	[ "$got" = "$expected" ] || { printf 'expected:\n%s\n' "$expected"; return 1; }
+}
+check "CREATE EXTENSION idem, claim, complete, replay, launcher running" sql_check || result
+
+guard_check() {
+	local got
+	cat >"$root/build/guard_check.c" <<'EOF'
+/* Claim, run and complete one key through the installed guard, then replay. */
+#include <stdio.h>
+#include <idem_guard.h>
+
+static int
+charge(const IdemClaim *claim, void *arg, IdemResponse *resp)
+{
+	(*(int *) arg)++;
+	return idem_response_set(resp, 200, "paid", 4);
+}
+
+int
+main(int argc, char **argv)
+{
+	PGconn	   *conn = PQconnectdb(argc > 1 ? argv[1] : "");
+	IdemResult	r1, r2;
+	int			calls = 0;
+
+	if (PQstatus(conn) != CONNECTION_OK)
+	{
+		fprintf(stderr, "%s", PQerrorMessage(conn));
+		return 1;
+	}
+	idem_guard_do(conn, "deb-guard", "card=1", charge, &calls, &r1);
+	idem_guard_do(conn, "deb-guard", "card=1", charge, &calls, &r2);
+	printf("%s %s calls=%d status=%d body=%.*s\n", idem_outcome_name(r1.outcome),
+		   idem_outcome_name(r2.outcome), calls, r2.resp.status,
+		   (int) r2.resp.body_len, (const char *) r2.resp.body);
+	idem_result_clear(&r1);
+	idem_result_clear(&r2);
+	PQfinish(conn);
+	return 0;
+}
+EOF
+	got=$(as_idemtest "
+		cc -Wall -I/usr/include/postgresql -o /tmp/guard_check /build/guard_check.c \
+			-lidem_guard -lpq -pthread
+		/tmp/guard_check 'host=$sock dbname=postgres'") || { echo "$got"; return 1; }
+	echo "$got"
+	[ "$got" = "EXECUTED REPLAYED calls=1 status=200 body=paid" ]
+}
+check "a program built with -lidem_guard -lpq -pthread: executed, then replayed" guard_check
+
+check "server stopped" as_idemtest \
+	"pg_ctl -D /tmp/idem-deb-pg -m fast -w stop && rm -rf /tmp/idem-deb-pg"
+
+# make installcheck of the source tree against the installed files.
+tap="TAP_TESTS="
+if [ "${IDEM_DEB_TAP:-0}" = 1 ]; then
+	tap=""
+	check "IPC::Run and pgbouncer for the TAP suites" in_chroot \
+		"apt-get install -y -qq --no-install-recommends libipc-run-perl pgbouncer libpq-dev >/dev/null" ||
+		result
+	check "the guard's test programs for the TAP suites" as_idemtest \
+		"cd /build/idem && make -s guard-all PG_CONFIG=/usr/lib/postgresql/$pgv/bin/pg_config" ||
+		result
+fi
+installcheck() {
+	local ic=$out/installcheck.log rc cases bad
+	as_idemtest "cd /build/idem &&
+		make installcheck PG_CONFIG=/usr/lib/postgresql/$pgv/bin/pg_config $tap" >"$ic" 2>&1
+	rc=$?
+	rm -rf "$out/installcheck"
+	[ -d "$root/build/idem/test/output" ] && cp -a "$root/build/idem/test/output" "$out/installcheck"
+	cases=$(grep -Ec '^(test|     ) .*\.\.\. ok|^ok [0-9]+ +[-+] ' "$ic")
+	cases=$((cases + $(sed -n 's/^Files=[0-9]*, Tests=\([0-9]*\),.*/\1/p' "$ic" |
+		awk '{n += $1} END {print n + 0}')))
+	bad=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)' "$ic")
+	ic_cases=$cases
+	ic_bad=$bad
+	echo "installcheck: exit $rc, $cases test cases passed, $bad failed (log: $ic)"
+	grep -E '^(test|     ) |^ok |^not ok |^# |^=+$|tests? (passed|failed)' "$ic" | tail -n 60
+	[ "$rc" -eq 0 ] && [ "$bad" -eq 0 ] && [ "$cases" -gt 0 ]
+}
+# Its test cases count in the result instead of the check itself.
+ic_cases=0
+ic_bad=0
+if check "make installcheck as idemtest against the installed files" installcheck; then
+	passed=$((passed - 1 + ic_cases))
+else
+	failed=$((failed - 1 + (ic_bad > 0 ? ic_bad : 1)))
+	passed=$((passed + ic_cases))
+fi
+t_test=$((SECONDS - start))
+
+unmount_below "$root"
+result
