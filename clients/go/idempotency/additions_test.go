@@ -591,3 +591,24 @@ func TestBinaryBodyAndQualifiedCalls(t *testing.T) {
 		t.Fatalf("empty body: out=%s resp=%+v", out, resp)
 	}
 }
+
+func TestLostCommitLeavesNoClaim(t *testing.T) {
+	store := NewPostgresStore(testPool)
+	store.Scope = newScope(t)
+	lost := true
+	store.commitLost = func() bool { return lost }
+	g := &Guard{Store: store, Lease: time.Minute, Retention: time.Hour}
+	var calls atomic.Int32
+	if _, out, err := g.Do(bg, "lost-1", "fp", okHandler(&calls)); out != Unavailable || err != ErrUnavailable || calls.Load() != 0 {
+		t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
+	}
+	// The claim did commit; the store released it, so the key is free now
+	// instead of in flight for the minute of its lease.
+	if st := lookup(t, store.Scope, "lost-1"); st.found {
+		t.Fatalf("claim left behind: %+v", st)
+	}
+	lost = false
+	if _, out, err := g.Do(bg, "lost-1", "fp", okHandler(&calls)); out != Executed || err != nil || calls.Load() != 1 {
+		t.Fatalf("retry: out=%s err=%v calls=%d", out, err, calls.Load())
+	}
+}

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"os"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -140,6 +139,3 @@ func waitFor(d time.Duration, cond func() bool) bool {
 }
 
 func dsn() string { return os.Getenv("IDEM_TEST_DSN") }
-
-// withParam returns the test DSN with one more key=value.
-func withParam(kv string) string { return strings.TrimSpace(dsn()) + " " + kv }

@@ -47,6 +47,10 @@ type PostgresStore struct {
 	Timeout time.Duration
 
 	pool *pgxpool.Pool
+
+	// commitLost, in tests, turns a successful commit of a claim into an
+	// error, as when the connection drops before the commit's answer.
+	commitLost func() bool
 }
 
 // NewPostgresStore returns a store that calls idem through pool.
@@ -229,7 +233,11 @@ func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now 
 	if err != nil {
 		return Record{}, false, err
 	}
-	if err := tx.Commit(cctx); err != nil {
+	err = tx.Commit(cctx)
+	if err == nil && s.commitLost != nil && s.commitLost() {
+		err = errors.New("commit answer lost")
+	}
+	if err != nil {
 		if claimed {
 			s.releaseQuietly(key, rec.Token, now)
 		}
