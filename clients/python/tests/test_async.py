@@ -64,13 +64,13 @@ def test_pool_source_and_heartbeat(dsn):
 
     async def main():
         async with AsyncConnectionPool(dsn, min_size=2, max_size=4) as pool:
-            g = AsyncGuard(pool, lease=0.6, heartbeat=True)
+            g = AsyncGuard(pool, lease=1, heartbeat=True)
             seen = {}
 
             async def slow(claim):
-                await asyncio.sleep(0.9)
-                seen["other"] = await AsyncGuard(pool, lease=0.6).do(key, FP, Calls())
-                await asyncio.sleep(0.4)
+                await asyncio.sleep(1.5)
+                seen["other"] = await AsyncGuard(pool, lease=1).do(key, FP, Calls())
+                await asyncio.sleep(0.3)
                 return Response(200, b"done")
 
             r = await g.do(key, FP, slow)

@@ -135,17 +135,17 @@ def test_keep_claim_on_error_leaves_it_to_the_lease(dsn, db):
 
 
 def _overlapping(dsn, heartbeat):
-    """A 1.3 s handler under a 0.6 s lease; another caller tries at 0.9 s."""
+    """A 1.8 s handler under a 1 s lease; another caller tries at 1.5 s."""
     key = new_key()
     other = {}
 
     def slow(claim):
-        time.sleep(0.9)
-        other["r"] = Guard(dsn, lease=0.6).do(key, FP, Calls())
-        time.sleep(0.4)
+        time.sleep(1.5)
+        other["r"] = Guard(dsn, lease=1).do(key, FP, Calls())
+        time.sleep(0.3)
         return Response(200, b"done")
 
-    r = Guard(dsn, lease=0.6, heartbeat=heartbeat).do(key, FP, slow)
+    r = Guard(dsn, lease=1, heartbeat=heartbeat).do(key, FP, slow)
     return r, other["r"]
 
 

@@ -103,7 +103,7 @@ def translate(exc: BaseException) -> BaseException:
         return exc
     if isinstance(exc, psycopg.Error):
         state = exc.sqlstate
-        message = exc.diag.message_primary or str(exc).strip() if state else str(exc).strip()
+        message = (exc.diag.message_primary if state else None) or str(exc).strip()
         cls = _BY_STATE.get(state or "")
         if cls is None:
             if state is None or state[:2] in ("08", "57", "53", "58", "3D", "28"):
