@@ -21,6 +21,15 @@ pids="$work/app-pids"
 
 cleanup() {
 	trap - EXIT INT TERM
+	# The test runner and everything it started (its own process group).
+	if [ -s "$work/node.pid" ]; then
+		runner=$(cat "$work/node.pid")
+		if kill -0 "$runner" 2>/dev/null; then
+			kill -TERM -- "-$runner" 2>/dev/null || kill -TERM "$runner" 2>/dev/null
+			sleep 1
+			kill -KILL -- "-$runner" 2>/dev/null
+		fi
+	fi
 	while read -r pid; do
 		[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
 	done <"$pids"
@@ -49,10 +58,16 @@ export IDEM_TEST_PIDFILE="$pids"
 psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 ||
 	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
 
-{
-	node --test --test-reporter=tap --test-concurrency=1 ${IDEM_NODE_TESTS:-test/*.test.js}
+# The runner gets its own process group (setsid) so that cleanup can stop
+# it with every test process and app server under it.
+newgroup=""
+command -v setsid >/dev/null 2>&1 && newgroup="setsid -w"
+(
+	$newgroup sh -c 'echo $$ >"$0"; exec node --test --test-reporter=tap --test-concurrency=1 "$@"' \
+		"$work/node.pid" ${IDEM_NODE_TESTS:-test/*.test.js}
 	echo $? >"$work/rc"
-} 2>&1 | tee "$work/node.log"
+) 2>&1 | tee "$work/node.log" &
+wait $!
 
 rc=$(cat "$work/rc" 2>/dev/null || echo 1)
 passed=$(sed -n 's/^# pass \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
