@@ -30,13 +30,14 @@ if [ -n "$missing" ]; then
 	sudo=""
 	[ "$(id -u)" -eq 0 ] || sudo="sudo"
 	export DEBIAN_FRONTEND=noninteractive
-	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
-		$sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
-			--no-install-recommends $missing >/dev/null || {
+	# shellcheck disable=SC2086 # $missing is a list of words
+	if ! $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq ||
+		! $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+			--no-install-recommends $missing >/dev/null; then
 		echo "could not install:$missing" >&2
 		echo "0 passed, 1 failed"
 		exit 1
-	}
+	fi
 fi
 
 # 4. Whatever happens, stop the app servers and the cluster.
@@ -80,7 +81,7 @@ export PYTHONPATH="$here/src:$here/tests"
 : >"$IDEM_TEST_PIDFILE"
 
 log="$dir/pytest.log"
-cd "$here"
+cd "$here" || exit 1
 # In the background, so that a signal to this script is handled at once.
 "$py" -m pytest -p no:cacheprovider -q -rfE tests "$@" >"$log" 2>&1 &
 pytest_pid=$!
