@@ -1,0 +1,225 @@
+// Types for idem-pg: the Node client of the idem PostgreSQL extension.
+
+import type { Pool, PoolClient, ClientBase } from 'pg';
+import type { Request, RequestHandler } from 'express';
+
+/** A duration: milliseconds, or PostgreSQL interval text such as '30s'. */
+export type Duration = number | string;
+
+/** A response body: stored as bytea, sent as bytes (strings as UTF-8). */
+export type Body = Buffer | Uint8Array | ArrayBuffer | string | null;
+
+export interface Response {
+  status: number;
+  body?: Body;
+}
+
+/** A stored or executed response, body as bytes. */
+export interface StoredResponse {
+  status: number;
+  body: Buffer | null;
+}
+
+export type Op = 'begin' | 'complete' | 'release' | 'extend';
+
+/** Return truthy (or an Error) to make that server call fail as if the server did not answer. */
+export type FaultHook = (op: Op) => unknown;
+
+export interface GuardOptions {
+  /** Schema the extension is installed in (default 'public'); every call is qualified with it. */
+  schema?: string;
+  /** Namespace of the keys (default ''): take it from the authenticated tenant. */
+  scope?: string;
+  /** Lease of a claim (default: idem.default_lease, 60 s). */
+  lease?: Duration | null;
+  /** Dedup window (default: idem.default_retention, 1 day). */
+  retention?: Duration | null;
+  /** Wait for an uncommitted claim (default true); false answers in flight at once. */
+  wait?: boolean;
+  /** Per server call, in ms (default 10000; 0: none): statement_timeout and lock_timeout on the server, the link cut 1 s later. */
+  timeout?: number;
+  /** On a handler error leave the claim to its lease instead of releasing it (default false). */
+  keepClaimOnError?: boolean;
+  /** Extend the lease while the handler runs: true (every lease/3, or 20 s) or a period in ms. */
+  heartbeat?: boolean | number;
+  /** Seconds added to the server clock (idem.clock_offset; superuser; tests and drills). */
+  clockOffset?: number | (() => number);
+  /** Fault injection for tests, like the reference store's Fault. */
+  fault?: FaultHook | null;
+}
+
+export type OutcomeName = 'executed' | 'replayed' | 'in_flight' | 'conflict' | 'unavailable';
+
+export declare const Outcome: Readonly<{
+  EXECUTED: 'executed';
+  REPLAYED: 'replayed';
+  IN_FLIGHT: 'in_flight';
+  CONFLICT: 'conflict';
+  UNAVAILABLE: 'unavailable';
+}>;
+
+/** The claim a handler runs under. */
+export interface Claim {
+  key: string;
+  fingerprint: string;
+  scope: string;
+  /** Fencing token: pass it downstream; a takeover gets a greater one. */
+  token: bigint;
+  leaseUntil: Date;
+  /** Aborted when the heartbeat finds the claim superseded or gone. */
+  signal: AbortSignal;
+  readonly lost: boolean;
+}
+
+export interface GuardResult {
+  outcome: OutcomeName;
+  /** Executed: the handler's response; replayed: the stored one; otherwise null. */
+  response: StoredResponse | null;
+  /** Token of the claim when executed, else null. */
+  token: bigint | null;
+  /** What failed, if anything (an idem error, or the handler's own error). */
+  error: unknown;
+  failedStep: null | 'begin' | 'handler' | 'complete';
+  /** The handler failed and the claim was released. */
+  released: boolean;
+  /** Why the release after a handler error failed, if it did. */
+  releaseError?: unknown;
+  /** The heartbeat found the token superseded. */
+  superseded: boolean;
+  /** Successful heartbeats. */
+  extends: number;
+}
+
+export declare class Guard {
+  constructor(pool: Pool | { connect(): Promise<PoolClient> }, options?: GuardOptions);
+  readonly pool: Pool;
+  readonly options: Readonly<Required<GuardOptions>>;
+  /** Claim key, then replay, refuse, or run handler and store its response. Never rejects for the store or the handler. */
+  do(key: string, fingerprint: string, handler: (claim: Claim) => Response | Promise<Response>, options?: GuardOptions): Promise<GuardResult>;
+  /** transaction() with this guard's options. */
+  transaction(client: ClientBase, key: string, fingerprint: string,
+    handler: (claim: TransactionClaim) => Response | Promise<Response>, options?: GuardOptions): Promise<TransactionResult>;
+}
+
+export interface TransactionClaim {
+  key: string;
+  fingerprint: string;
+  scope: string;
+  token: bigint;
+  /** The caller's client, inside the transaction: run the business writes on it. */
+  client: ClientBase;
+}
+
+export interface TransactionResult {
+  outcome: Exclude<OutcomeName, 'unavailable'>;
+  response: StoredResponse | null;
+  token: bigint | null;
+}
+
+/**
+ * BEGIN, claim, handler (business writes), store the response, COMMIT, on the caller's idle client.
+ * Rejects after ROLLBACK with the handler's error or an idem error.
+ */
+export declare function transaction(client: ClientBase, key: string, fingerprint: string,
+  handler: (claim: TransactionClaim) => Response | Promise<Response>, options?: GuardOptions): Promise<TransactionResult>;
+
+/** A fault hook failing op (any op if omitted) the next n times. */
+export declare function failTimes(n: number, op?: Op): FaultHook;
+
+export interface BeginRow {
+  claimed: boolean;
+  state: 'PROCESSING' | 'DONE' | 'CONFLICT';
+  token: bigint | null;
+  status: number | null;
+  body: Buffer | null;
+  leaseUntil: Date | null;
+  expiresAt: Date | null;
+}
+
+export interface LookupRow {
+  state: 'PROCESSING' | 'DONE';
+  token: bigint;
+  status: number | null;
+  leaseUntil: Date | null;
+  expiresAt: Date;
+  bodySize: number | null;
+}
+
+/** The idem functions as single statements on a client (no transaction control). */
+export declare class Store {
+  constructor(options?: { schema?: string });
+  readonly schema: string;
+  begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean }): Promise<BeginRow>;
+  complete(client: ClientBase, args: { key: string; fingerprint: string; status: number; body?: Body; token?: bigint | null; retention?: Duration | null; scope?: string }): Promise<Date>;
+  release(client: ClientBase, args: { key: string; token?: bigint | null; scope?: string }): Promise<boolean>;
+  extend(client: ClientBase, args: { key: string; token?: bigint | null; lease: Duration; scope?: string }): Promise<Date>;
+  lookup(client: ClientBase, args: { key: string; scope?: string }): Promise<LookupRow | null>;
+}
+
+export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
+  /** Header name (default 'Idempotency-Key'). */
+  header?: string;
+  /** Methods guarded (default ['POST', 'PATCH']); others pass through. */
+  methods?: string[];
+  /** Missing key: 400 if true, pass through if false (default). */
+  required?: boolean;
+  /** Fingerprint of the request (default: SHA-256 of method, original URL and body bytes). */
+  fingerprint?: (req: Request, body: Buffer) => string | Promise<string>;
+  /** Scope of the key, e.g. the authenticated tenant (default ''). */
+  scope?: (req: Request) => string | Promise<string>;
+  /** Store 5xx answers and thrown errors instead of releasing the key (default false). */
+  storeServerErrors?: boolean;
+  /** Response headers stored and replayed (default: content-type, content-language, content-encoding, location, etag, cache-control). */
+  storedHeaders?: string[];
+  /** Header set on a replay, with value 'true' (default 'Idempotent-Replayed'). */
+  replayHeader?: string;
+  /** Retry-After seconds on 409 and 503 (default 1). */
+  retryAfter?: number;
+  /** Longest key in bytes (default 255); longer: 400. */
+  maxKeyLength?: number;
+  /** Largest body read by the middleware itself, in bytes (default 1 MiB); larger: 413. */
+  limit?: number;
+  /** Called with each guard result. */
+  onResult?: (result: GuardResult, req: Request) => void;
+}
+
+/** Express middleware: the Idempotency-Key header over a Guard (or a pool and guard options). */
+export declare function idempotency(poolOrGuard: Pool | Guard, options?: IdempotencyOptions): RequestHandler;
+
+/** A verify function for express.json()/raw()/text() keeping the exact body bytes for the fingerprint. */
+export declare function saveRawBody(req: any, res: any, buf: Buffer): void;
+
+export declare function defaultFingerprint(req: Request, body: Buffer): string;
+
+declare global {
+  namespace Express {
+    interface Request {
+      /** Set by the idempotency middleware while the handler runs under a claim. */
+      idempotency?: { key: string; scope: string; token: bigint; signal: AbortSignal; replayed: boolean };
+      /** The raw body bytes, when kept (saveRawBody, or read by the middleware). */
+      rawBody?: Buffer;
+    }
+  }
+}
+
+export declare class IdemError extends Error {
+  constructor(message: string, options?: { code?: string | null; cause?: unknown });
+  /** SQLSTATE of the server error, or null. */
+  code: string | null;
+}
+/** ID001: idem_complete with a fingerprint other than the claim's. */
+export declare class FingerprintMismatchError extends IdemError {}
+/** ID002: another caller took the key over after the lease. */
+export declare class TokenSupersededError extends IdemError {}
+/** ID003: no live claim. */
+export declare class NoClaimError extends IdemError {}
+/** ID004: already completed (with another response), or release/extend of a completed key. */
+export declare class AlreadyCompletedError extends IdemError {}
+/** Connection refused or lost, read-only server (25006), injected fault. */
+export declare class UnavailableError extends IdemError {}
+/** statement_timeout (57014), lock_timeout (55P03) or the client's deadline. */
+export declare class TimeoutError extends UnavailableError {}
+
+/** The idem error class for any error from pg or the network. */
+export declare function toIdemError(err: unknown): IdemError;
+export declare function isDatabaseError(err: unknown): boolean;
