@@ -35,6 +35,9 @@ async function transaction(client, key, fingerprint, handler, options) {
     }
   };
 
+  // Our COMMIT or ROLLBACK would end a transaction the caller has open.
+  const tx = typeof client.getTransactionStatus === 'function' ? client.getTransactionStatus() : null;
+  if (tx === 'T' || tx === 'E') throw new IdemError('transaction() needs an idle client, not one inside a transaction');
   await q('BEGIN');
   let ended = false;
   try {

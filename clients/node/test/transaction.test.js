@@ -164,3 +164,20 @@ test('Guard#transaction uses the guard\'s schema, scope and clock', async () => 
     c.release();
   }
 });
+
+test('a client already inside a transaction is refused, its transaction untouched', async () => {
+  const c = await pool.connect();
+  try {
+    await c.query('BEGIN');
+    await c.query(`UPDATE ${table} SET qty = 99 WHERE sku = 'A'`);
+    let calls = 0;
+    await assert.rejects(transaction(c, uniqueKey('tx-nested'), 'fp', async () => { calls += 1; return { status: 200 }; }),
+      (e) => e instanceof IdemError && /idle client/.test(e.message));
+    assert.equal(calls, 0);
+    assert.equal((await c.query(`SELECT qty FROM ${table} WHERE sku = 'A'`)).rows[0].qty, 99, 'still in the caller\'s transaction');
+    await c.query('ROLLBACK');
+    assert.notEqual(await stockOf('A'), 99);
+  } finally {
+    c.release();
+  }
+});
