@@ -1,5 +1,8 @@
-# On a streaming hot standby idem_begin fails as read-only (25006) and the
-# launcher purges nothing; once the standby is promoted, it purges.
+# On a streaming hot standby every call that would write (a new claim, a
+# takeover, complete, release, extend, purge) fails as read-only (25006)
+# and changes nothing, while replays, conflicts and claims in flight are
+# answered; the launcher purges nothing.  Once the standby is promoted, it
+# purges.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -32,7 +35,15 @@ SELECT count(*) FROM generate_series(1, 40) g,
 	idem_begin('old-' || g, 'f', lease => '1s', retention => '1s');
 RESET idem.clock_offset;
 SELECT count(*) FROM idem_begin('live', 'f');
+BEGIN;
+SELECT count(*) FROM idem_begin('done', 'f');
+SELECT idem_complete('done', 'f', 201, convert_to('stored', 'UTF8'));
+COMMIT;
+SET idem.clock_offset = '-10s';
+SELECT count(*) FROM idem_begin('lapsed', 'f', lease => '1s', retention => '1h');
 });
+my $live_token = $primary->safe_psql('postgres',
+	"SELECT token FROM idem.keys WHERE key = 'live'");
 $primary->wait_for_catchup($standby);
 
 sub count_keys
@@ -48,6 +59,32 @@ my ($ret, $out, $err) = $standby->psql('postgres',
 	"\\set VERBOSITY verbose\nSELECT * FROM idem_begin('new', 'f')");
 isnt($ret, 0, 'idem_begin fails on the standby');
 like($err, qr/ERROR:  25006:/, 'with SQLSTATE 25006 (read-only transaction)');
+
+my $keys_before = $standby->safe_psql('postgres',
+	'SELECT md5(string_agg(k::text, \',\' ORDER BY key)) FROM idem.keys k');
+for my $call (
+	[ 'takeover', "SELECT * FROM idem_begin('lapsed', 'f')" ],
+	[ 'complete', "SELECT idem_complete('live', 'f', 200, 'x', $live_token)" ],
+	[ 'release', "SELECT idem_release('live', $live_token)" ],
+	[ 'extend', "SELECT idem_extend('live', $live_token, '5 min')" ],
+	[ 'purge', 'SELECT idem_purge()' ])
+{
+	my ($name, $query) = @$call;
+	($ret, $out, $err) = $standby->psql('postgres', "\\set VERBOSITY verbose\n$query");
+	like($err, qr/ERROR:  25006:/, "$name on the standby fails with 25006");
+}
+is( $standby->safe_psql('postgres',
+		'SELECT md5(string_agg(k::text, \',\' ORDER BY key)) FROM idem.keys k'),
+	$keys_before, 'nothing changed on the standby');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed, state, status, convert_from(body, 'UTF8') FROM idem_begin('done', 'f')"),
+	'f|DONE|201|stored', 'a completed key replays on the standby');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed, state FROM idem_begin('done', 'other')"),
+	'f|CONFLICT', 'another request with the key is a conflict on the standby');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed, state FROM idem_begin('live', 'f')"),
+	'f|PROCESSING', 'a claim in flight is reported on the standby');
 
 # The launcher runs on the standby and skips its passes.
 ok( $standby->poll_query_until('postgres',

@@ -283,7 +283,7 @@ BEGIN
 END $$;
 EOSQL
 
-# The control keys: tokens 1 .. 6, stored before any fuzzing.
+# The control keys, stored before any fuzzing.
 my $control_sql = q{
 BEGIN;
 SELECT count(*) FROM idem_begin('ctl-done', 'ctl-fp', retention => '30 days', scope => 'ctl');
@@ -304,16 +304,21 @@ my $control_rows = q{
 SELECT string_agg(concat_ws('|', scope, key, encode(fingerprint, 'hex'), token,
 	status, length(body), md5(body), lease_until, expires_at, xmin, ctid), E'\n'
 	ORDER BY scope, key)
-FROM idem.keys WHERE key LIKE 'ctl-%' AND token <= 6};
+FROM idem.keys WHERE key LIKE 'ctl-%' AND token <= };
 
+# The control keys' tokens are the first ones each database gave out, up
+# to where its token sequence stood after them.
 my %before;
+my %ctl_max;
 foreach my $db (@dbs)
 {
 	$node->safe_psql($db, $fuzz_sql);
 	$node->safe_psql($db, $control_sql);
-	is($node->safe_psql($db, 'SELECT max(token), count(*) FROM idem.keys'), '6|6',
-		"$db: six control keys with tokens 1 to 6");
-	$before{$db} = $node->safe_psql($db, $control_rows);
+	$ctl_max{$db} = $node->safe_psql($db, 'SELECT last_value FROM idem.token_seq');
+	is( $node->safe_psql($db,
+			"SELECT count(DISTINCT token), count(*), max(token) <= $ctl_max{$db} FROM idem.keys"),
+		'6|6|t', "$db: six control keys with six tokens, the first the database gave out");
+	$before{$db} = $node->safe_psql($db, $control_rows . $ctl_max{$db});
 }
 is( $node->safe_psql('fuzz_ascii',
 		"SELECT encode(body, 'hex') = (SELECT string_agg(lpad(to_hex(g), 2, '0'), '') FROM generate_series(0, 255) g) FROM idem.keys WHERE key = 'ctl-bin'"),
@@ -336,7 +341,7 @@ foreach my $db ('fuzz_utf8', 'fuzz_utf8', 'fuzz_ascii')
 			'psql', '-X', '-q', '-v', 'ON_ERROR_STOP=1',
 			'-d', $node->connstr($db),
 			'-c', "SELECT setseed(0.$s)",
-			'-c', "CALL fuzz($s, $iterations, 6)"
+			'-c', "CALL fuzz($s, $iterations, $ctl_max{$db})"
 		],
 		'>&', \$out{$s},
 		IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default));
@@ -404,7 +409,7 @@ like($stderr, qr/ERROR:  22021:/, 'UTF8: the same key is refused as invalid UTF-
 # --- The control keys are untouched; every row is well-formed.
 foreach my $db (@dbs)
 {
-	is($node->safe_psql($db, $control_rows), $before{$db},
+	is($node->safe_psql($db, $control_rows . $ctl_max{$db}), $before{$db},
 		"$db: the control keys are byte-identical and were not rewritten");
 	is( $node->safe_psql($db, q{
 SELECT count(*) FROM idem.keys
