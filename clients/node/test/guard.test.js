@@ -159,13 +159,13 @@ test('keepClaimOnError leaves the claim to its lease, as the reference guard doe
 });
 
 test('heartbeat keeps a slow handler\'s claim past its lease; without it the key is taken over (ID002 on complete)', async () => {
-  const LEASE = 1200;
+  const LEASE = 2000;
   for (const heartbeat of [true, false]) {
-    const guard = new Guard(pool, { lease: LEASE, heartbeat: heartbeat ? 300 : false });
+    const guard = new Guard(pool, { lease: LEASE, heartbeat: heartbeat ? 400 : false });
     const key = uniqueKey(`hb-${heartbeat}`);
     let probe = null;
     const r = await guard.do(key, 'fp', async (claim) => {
-      await sleep(LEASE + 500);
+      await sleep(LEASE + 600);
       probe = await guard.do(key, 'fp', async () => ({ status: 200, body: 'second' }));
       return { status: 200, body: 'first' };
     });

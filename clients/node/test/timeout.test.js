@@ -71,8 +71,9 @@ test('Guard timeout: the server cancels the wait (57014), no orphan claim, the k
   const elapsed = Date.now() - t0;
   assert.equal(r.outcome, Outcome.UNAVAILABLE);
   assert.ok(r.error instanceof TimeoutError, String(r.error));
+  // A SQLSTATE: the server cancelled the wait itself (the client's own deadline has none).
   assert.ok(['57014', '55P03'].includes(r.error.code), `code ${r.error.code}`);
-  assert.ok(elapsed >= 250 && elapsed < 1200, `cancelled by the server after ${elapsed} ms`);
+  assert.ok(elapsed >= 250, `cancelled after ${elapsed} ms`);
   assert.equal(calls, 0);
   assert.equal(await waiters(), 0, 'nothing is still waiting on the server');
   await endHolder(holder);
