@@ -1,6 +1,7 @@
 #!/bin/sh
 # Build with warnings as errors, install, and run every test suite:
-# pg_regress, isolation and TAP.  Ends with "N passed, N failed".
+# pg_regress, isolation, TAP, and the Go, Python and Node clients' suites.
+# Ends with "N passed, N failed".
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
@@ -29,6 +30,16 @@ else
 	sudo make -s install >/dev/null || exit 1
 	{ make -s installcheck 2>&1; echo "exit status $?"; } | tee "$log"
 fi
+# The client libraries' suites (clients/*/test.sh), each against its own
+# throwaway cluster, on the host's PostgreSQL only (the version matrix sets
+# IDEM_CLIENTS=no).  Each ends with its own "N passed, N failed" line.
+if [ "${IDEM_CLIENTS:-yes}" != no ]; then
+	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh; do
+		echo "== $t"
+		{ sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
+	done
+fi
+
 # Count test cases: pg_regress and isolation lines (the "test x ... ok" of
 # PostgreSQL 15, the "ok 1 - x" of 16 and later), TAP assertions.
 regress=$(grep -Ec '^(test|     ) .*\.\.\. ok|^ok [0-9]+ +[-+] ' "$log")
@@ -36,6 +47,16 @@ tap=$(sed -n 's/^Files=[0-9]*, Tests=\([0-9]*\),.*/\1/p' "$log" | awk '{n += $1}
 passed=$((regress + tap))
 failed=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)' "$log")
 grep -q "^exit status 0$" "$log" || [ "$failed" -gt 0 ] || failed=1
+if [ -f "$log.clients" ]; then
+	cp=$(sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$log.clients" | awk '{n += $1} END {print n + 0}')
+	cf=$(sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$log.clients" | awk '{n += $1} END {print n + 0}')
+	passed=$((passed + cp))
+	failed=$((failed + cf))
+	# A suite that failed without counting its failures still fails.
+	bad=$(grep -c '^client exit status [1-9]' "$log.clients" || true)
+	[ "$bad" -gt 0 ] && [ "$cf" -eq 0 ] && failed=$((failed + bad))
+	rm -f "$log.clients"
+fi
 rm -f "$log"
 echo "$passed passed, $failed failed"
 [ "$failed" -eq 0 ]
