@@ -117,6 +117,35 @@ test('409 with Retry-After while the first request is in flight; then the replay
   assert.equal(state.calls.slow, 1);
 });
 
+test('the client drops the connection mid-request: the handler finishes, the response is stored, the retry replays it', async () => {
+  const { url, state } = await start({});
+  let open;
+  state.gate = new Promise((resolve) => { open = resolve; });
+  const key = uniqueKey('client-abort');
+  const controller = new AbortController();
+  const first = fetch(`${url}/slow`, {
+    method: 'POST', signal: controller.signal,
+    headers: { 'Content-Type': 'application/json', 'Idempotency-Key': key }, body: '{"n":1}',
+  }).then(() => null, (err) => err);
+  while (!state.calls.slow) await sleep(5);
+  controller.abort();
+  assert.equal((await first).name, 'AbortError');
+  assert.equal((await post(`${url}/slow`, key, { n: 1 })).status, 409);
+  open();
+  let row = null;
+  for (let i = 0; i < 100 && !(row && row.state === 'DONE'); i++) {
+    await sleep(20);
+    row = await lookup(pool, key);
+  }
+  assert.equal(row.state, 'DONE');
+  assert.equal(row.status, 201);
+  const retry = await post(`${url}/slow`, key, { n: 1 });
+  assert.equal(retry.status, 201);
+  assert.equal(retry.headers.get('idempotent-replayed'), 'true');
+  assert.deepEqual(await retry.json(), { slow: true });
+  assert.equal(state.calls.slow, 1);
+});
+
 test('422 when the key is reused with another payload', async () => {
   const { url, state } = await start({});
   const key = uniqueKey('reuse');
