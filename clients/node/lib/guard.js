@@ -4,7 +4,7 @@ const {
   IdemError, UnavailableError, TimeoutError, TokenSupersededError, NoClaimError,
   AlreadyCompletedError, toIdemError, isDatabaseError,
 } = require('./errors');
-const { Store, toBuffer } = require('./store');
+const { Store, toBuffer, intervalParam } = require('./store');
 
 /** What happened to a request, as in the reference guard. */
 const Outcome = Object.freeze({
@@ -41,6 +41,11 @@ function normalizeOptions(options) {
   if (!Number.isFinite(o.timeout) || o.timeout < 0) throw new TypeError('timeout must be a number of milliseconds >= 0');
   o.timeout = Math.round(o.timeout);
   if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
+  intervalParam(o.lease, 'lease');
+  intervalParam(o.retention, 'retention');
+  if (typeof o.clockOffset !== 'function') clockOffsetOf(o);
+  if (o.fault != null && typeof o.fault !== 'function') throw new TypeError('fault must be a function');
+  if (typeof o.heartbeat === 'number' && !(o.heartbeat > 0)) throw new TypeError('heartbeat must be true, false or a period in ms');
   return o;
 }
 

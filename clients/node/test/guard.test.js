@@ -309,8 +309,14 @@ test('bad options and arguments are TypeErrors', async () => {
   assert.throws(() => new Guard(null), TypeError);
   assert.throws(() => new Guard(pool, { timeout: -1 }), TypeError);
   await assert.rejects(new Guard(pool).do(1, 'fp', async () => ({ status: 200 })), TypeError);
-  const r = await new Guard(pool, { clockOffset: 1.5 }).do(uniqueKey('offset'), 'fp', async () => ({ status: 200 }));
+  assert.throws(() => new Guard(pool, { clockOffset: 1.5 }), TypeError);
+  assert.throws(() => new Guard(pool, { lease: -5 }), TypeError);
+  assert.throws(() => new Guard(pool, { retention: {} }), TypeError);
+  // An offset function is read per call: a bad value there makes that call fail, the handler unrun.
+  let calls = 0;
+  const r = await new Guard(pool, { clockOffset: () => 1.5 }).do(uniqueKey('offset'), 'fp', async () => { calls += 1; return { status: 200 }; });
   assert.equal(r.outcome, Outcome.UNAVAILABLE);
+  assert.equal(calls, 0);
   const bad = await new Guard(pool).do(uniqueKey('badresp'), 'fp', async () => 'not a response');
   assert.equal(bad.failedStep, 'handler');
   assert.ok(bad.error instanceof TypeError);
