@@ -25,9 +25,9 @@ cleanup() {
 	if [ -s "$work/node.pid" ]; then
 		runner=$(cat "$work/node.pid")
 		if kill -0 "$runner" 2>/dev/null; then
-			kill -TERM -- "-$runner" 2>/dev/null || kill -TERM "$runner" 2>/dev/null
+			kill -TERM "-$runner" 2>/dev/null || kill -TERM "$runner" 2>/dev/null
 			sleep 1
-			kill -KILL -- "-$runner" 2>/dev/null
+			kill -KILL "-$runner" 2>/dev/null
 		fi
 	fi
 	while read -r pid; do
