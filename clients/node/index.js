@@ -1,6 +1,12 @@
 'use strict';
 
-const errors = require('./lib/errors');
+// Named exports in shorthand, one by one, so that ESM `import { ... } from
+// 'idem-pg'` finds every one of them (Node detects CommonJS exports
+// statically).
+const {
+  IdemError, FingerprintMismatchError, TokenSupersededError, NoClaimError, AlreadyCompletedError,
+  UnavailableError, TimeoutError, toIdemError, isDatabaseError,
+} = require('./lib/errors');
 const { Store } = require('./lib/store');
 const { Guard, Outcome, failTimes } = require('./lib/guard');
 const { transaction } = require('./lib/transaction');
@@ -15,5 +21,13 @@ module.exports = {
   idempotency,
   saveRawBody,
   defaultFingerprint,
-  ...errors,
+  IdemError,
+  FingerprintMismatchError,
+  TokenSupersededError,
+  NoClaimError,
+  AlreadyCompletedError,
+  UnavailableError,
+  TimeoutError,
+  toIdemError,
+  isDatabaseError,
 };
