@@ -6,7 +6,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const pg = require('pg');
-const { Guard, Outcome, transaction, TimeoutError } = require('..');
+const { Guard, Outcome, transaction, TimeoutError, UnavailableError } = require('..');
 const { makePool, uniqueKey, sleep, lookup } = require('./helpers');
 
 const pool = makePool({ max: 10 });
@@ -150,5 +150,36 @@ test('transaction helper timeout: TimeoutError, rolled back, no claim, the clien
     assert.deepEqual(r.response.body, Buffer.from('0'));
   } finally {
     client.release();
+  }
+});
+
+test('the guard\'s connection killed while it waits (pg_terminate_backend): unavailable, no claim, the next call reconnects', async () => {
+  const single = makePool({ max: 1 });
+  let pid = null;
+  single.on('connect', (c) => { pid = c.processID; });
+  const guard = new Guard(single, { timeout: 5000, lease: 60000 });
+  try {
+    assert.equal((await guard.do(uniqueKey('warm'), 'fp', async () => ({ status: 200 }))).outcome, Outcome.EXECUTED);
+    const firstPid = pid;
+    const key = uniqueKey('terminated');
+    const holder = await holdClaim(key);
+    let calls = 0;
+    const pending = guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; });
+    assert.ok(await waitFor(async () => (await waiters()) === 1, 3000));
+    await pool.query('SELECT pg_catalog.pg_terminate_backend($1::integer)', [firstPid]);
+    const r = await pending;
+    assert.equal(r.outcome, Outcome.UNAVAILABLE);
+    assert.ok(r.error instanceof UnavailableError, String(r.error));
+    assert.ok(!(r.error instanceof TimeoutError));
+    assert.equal(calls, 0);
+    await endHolder(holder);
+    await sleep(200);
+    assert.equal(await lookup(pool, key), null);
+    const again = await guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; });
+    assert.equal(again.outcome, Outcome.EXECUTED);
+    assert.notEqual(pid, firstPid, 'a new connection');
+    assert.equal(calls, 1);
+  } finally {
+    await single.end();
   }
 });
