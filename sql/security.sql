@@ -259,7 +259,10 @@ SELECT q AS call,
     ($$SELECT idem_stats_reset()$$),
     ($$SELECT * FROM idem.keys$$),
     ($$SELECT nextval('idem.token_seq')$$),
-    ($$SET idem.clock_offset = '1h'$$)
+    ($$SET idem.clock_offset = '1h'$$),
+    ($$SET idem.max_body_size = '200MB'$$),
+    ($$SET idem.max_retention = '100d'$$),
+    ($$SET idem.max_key_length = 1024$$)
   ) t(q);
 SELECT key_row('', 's-live') = :'row0' AS unchanged;
 -- A role without the grant gets 42501 and a message naming the function.
@@ -278,6 +281,19 @@ SELECT r AS role, f AS function,
                     'idem_release(text,bigint,text)',
                     'idem_purge(integer)']) f
  ORDER BY 1, 2;
+
+-- An overload with varchar parameters in the extension's own schema (here
+-- created by a superuser; any role with CREATE on that schema could) wins
+-- over idem_begin(text, ...) for a call whose arguments are varchar, even
+-- schema-qualified, so clients cast every argument to its exact type.
+CREATE FUNCTION public.idem_begin(key varchar, fingerprint varchar,
+                                  lease interval DEFAULT NULL, retention interval DEFAULT NULL,
+                                  scope text DEFAULT '', wait boolean DEFAULT true)
+RETURNS TABLE (claimed boolean, state text) LANGUAGE sql AS $$ SELECT true, 'CAPTURED' $$;
+SELECT state AS varchar_call FROM public.idem_begin('s-ovl'::varchar, 'fp'::varchar);
+SELECT state AS exact_call
+  FROM public.idem_begin('s-ovl'::text, 'fp'::text, NULL::interval, NULL::interval, ''::text, true::boolean);
+DROP FUNCTION public.idem_begin(varchar, varchar, interval, interval, text, boolean);
 
 DROP FUNCTION try_as(name, text);
 DROP OWNED BY regress_idem_sec_sub, regress_idem_sec_app, regress_idem_sec_ops;

@@ -47,13 +47,17 @@ SELECT q, regexp_replace(try(q), '\((-?\d+) \w+ \.\. (\d+) \w+\)$', '(\1 .. \2)'
 SHOW idem.default_lease;
 SHOW idem.max_key_length;
 
--- idem.clock_offset is superuser-only; the others are for everybody.
+-- idem.clock_offset and the ceilings (max_retention, max_key_length,
+-- max_body_size) are superuser-only; the defaults are for everybody.
 CREATE ROLE regress_idem_settings;
 SET ROLE regress_idem_settings;
 SELECT try($$SET idem.clock_offset = '1h'$$);
 SHOW idem.clock_offset;
 SELECT try($$SET idem.max_key_length = 100$$);
+SELECT try($$SET idem.max_retention = '100d'$$);
+SELECT try($$SET idem.max_body_size = '200MB'$$);
 SHOW idem.max_key_length;
+SELECT try($$SET idem.default_retention = '2h'$$);
 RESET ROLE;
 RESET idem.max_key_length;
 DROP ROLE regress_idem_settings;

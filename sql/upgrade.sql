@@ -1,7 +1,8 @@
 --
 -- Versions: keys stored under 1.0 survive ALTER EXTENSION idem UPDATE, and
 -- CREATE EXTENSION idem gives the same objects and privileges as installing
--- 1.0 and updating.  Runs in databases of its own.
+-- 1.0 and updating; default privileges of the installing role do not leak
+-- into the extension's objects.  Runs in databases of its own.
 --
 \set regress_db :DBNAME
 
@@ -163,8 +164,50 @@ SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n'
        AS same_as_fresh
   FROM ext_objects();
 
+-- Default privileges of the installing role do not leak into the
+-- extension's objects.  A fresh install leaves every object owner-only.
+\c :regress_db
+CREATE ROLE regress_idem_reporting;
+CREATE DATABASE regress_idem_defpriv TEMPLATE regress_idem_tpl;
+CREATE DATABASE regress_idem_defpriv11 TEMPLATE regress_idem_tpl;
+\c regress_idem_defpriv
+ALTER DEFAULT PRIVILEGES GRANT SELECT ON TABLES TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT USAGE, SELECT ON SEQUENCES TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT EXECUTE ON FUNCTIONS TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO regress_idem_reporting;
+CREATE EXTENSION idem;
+SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema_usage,
+       has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select,
+       has_sequence_privilege('regress_idem_reporting', 'idem.token_seq', 'SELECT') AS seq_select,
+       has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select,
+       has_function_privilege('regress_idem_reporting',
+                              'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE') AS may_begin;
+SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
+       AS same_as_fresh
+  FROM ext_objects();
+-- An update from 1.1 installed under such defaults: the schema, the key
+-- table and the token sequence become owner-only; grants on functions and
+-- views, which administrators make on purpose, stay.
+\c regress_idem_defpriv11
+ALTER DEFAULT PRIVILEGES GRANT SELECT ON TABLES TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO regress_idem_reporting;
+CREATE EXTENSION idem VERSION '1.1';
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
+  TO regress_idem_upgrade_app;
+SELECT has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select_before;
+ALTER EXTENSION idem UPDATE;
+SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema_usage,
+       has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select,
+       has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
+       has_function_privilege('regress_idem_upgrade_app',
+                              'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE') AS app_grant_kept;
+SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
+
 \c :regress_db
 DROP DATABASE regress_idem_v10;
 DROP DATABASE regress_idem_v11;
+DROP DATABASE regress_idem_defpriv;
+DROP DATABASE regress_idem_defpriv11;
 DROP DATABASE regress_idem_tpl;
 DROP ROLE regress_idem_upgrade_app;
+DROP ROLE regress_idem_reporting;

@@ -19,6 +19,7 @@
 #include "fmgr.h"
 #include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/tableam.h"
 
 #if PG_VERSION_NUM < 150000
 #error "idem needs PostgreSQL 15 or later"
@@ -58,25 +59,38 @@
 #endif
 
 /*
- * simple_heap_update, returning whether the new version needs index
- * entries (it is not a HOT update).  From 16 on simple_heap_update reports
- * which indexes need one.
+ * heap_update, setting *index_new_version when the new version needs index
+ * entries (it is not a HOT update).  From 16 on heap_update reports which
+ * indexes need one.
  */
 #if PG_VERSION_NUM >= 160000
-static inline bool
-idem_simple_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple)
+static inline TM_Result
+idem_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple,
+				 CommandId cid, bool wait, TM_FailureData *tmfd,
+				 bool *index_new_version)
 {
-	TU_UpdateIndexes update_indexes;
+	LockTupleMode lockmode;
+	TU_UpdateIndexes update_indexes = TU_None;
+	TM_Result	result;
 
-	simple_heap_update(rel, otid, tuple, &update_indexes);
-	return update_indexes != TU_None;
+	result = heap_update(rel, otid, tuple, cid, InvalidSnapshot, wait, tmfd,
+						 &lockmode, &update_indexes);
+	*index_new_version = (result == TM_Ok && update_indexes != TU_None);
+	return result;
 }
 #else
-static inline bool
-idem_simple_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple)
+static inline TM_Result
+idem_heap_update(Relation rel, ItemPointer otid, HeapTuple tuple,
+				 CommandId cid, bool wait, TM_FailureData *tmfd,
+				 bool *index_new_version)
 {
-	simple_heap_update(rel, otid, tuple);
-	return !HeapTupleIsHeapOnly(tuple);
+	LockTupleMode lockmode;
+	TM_Result	result;
+
+	result = heap_update(rel, otid, tuple, cid, InvalidSnapshot, wait, tmfd,
+						 &lockmode);
+	*index_new_version = (result == TM_Ok && !HeapTupleIsHeapOnly(tuple));
+	return result;
 }
 #endif
 

@@ -202,67 +202,71 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 }
 
 /*
- * Answer a claim from an existing row.  kt is NULL for a row read without
- * a lock, and then false is returned if the answer needs a write (the
- * window or the lease is over); with the row locked, the write is done.
+ * Answer a claim from an existing row without writing, or return false
+ * if the answer is a claim of the row: its window or its lease is over.
  */
 static bool
-decide(ClaimArgs *args, KeyRow *row, KeyTable *kt, ClaimResult *res)
+decide(ClaimArgs *args, KeyRow *row, ClaimResult *res)
 {
-	KeyValues	kv;
-	bool		takeover;
-
-	if (row->expires_at > args->now)
+	if (row->expires_at <= args->now)
+		return false;			/* the window is over: the key is new again */
+	if (!same_fingerprint(row, args->fingerprint))
 	{
-		if (!same_fingerprint(row, args->fingerprint))
-		{
-			/* Reveal nothing of the stored request or response. */
-			res->state = CLAIM_CONFLICT;
-			idem_stats_count(IDEM_STAT_CONFLICTS);
-			return true;
-		}
-		if (row->done)
-		{
-			res->state = CLAIM_DONE;
-			res->has_response = true;
-			res->status = row->status;
-			res->body = row->body;
-			res->has_expiry = true;
-			res->expires_at = row->expires_at;
-			idem_stats_count(IDEM_STAT_REPLAYS);
-			return true;
-		}
-		if (holds_claim(row))
-		{
-			set_claimed(res, row->token, row->lease_until, row->expires_at);
-			return true;
-		}
-		if (row->has_lease && args->now < row->lease_until)
-		{
-			set_in_flight(res, row);
-			return true;
-		}
-		/* The holder's lease is over: take the key over with a new token. */
-		takeover = true;
+		/* Reveal nothing of the stored request or response. */
+		res->state = CLAIM_CONFLICT;
+		idem_stats_count(IDEM_STAT_CONFLICTS);
+		return true;
 	}
-	else
-		takeover = false;		/* the window is over: the key is new again */
+	if (row->done)
+	{
+		res->state = CLAIM_DONE;
+		res->has_response = true;
+		res->status = row->status;
+		res->body = row->body;
+		res->has_expiry = true;
+		res->expires_at = row->expires_at;
+		idem_stats_count(IDEM_STAT_REPLAYS);
+		return true;
+	}
+	if (holds_claim(row))
+	{
+		set_claimed(res, row->token, row->lease_until, row->expires_at);
+		return true;
+	}
+	if (row->has_lease && args->now < row->lease_until)
+	{
+		set_in_flight(res, row);
+		return true;
+	}
+	return false;				/* the holder's lease is over: take it over */
+}
 
-	if (kt == NULL)
-		return false;
+/*
+ * Claim the key by rewriting the version of its row that decide() found
+ * expired or abandoned.  A takeover keeps the key's window unless the new
+ * lease ends later.  The write succeeds only if that version is still the
+ * latest, so no token greater than the new one can have been given to
+ * this key in between.
+ */
+static KeyWrite
+reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
+		ClaimResult *res)
+{
+	bool		takeover = row->expires_at > args->now;
+	KeyValues	kv;
+	KeyWrite	written;
 
-	/*
-	 * A takeover keeps the key's window unless the new lease ends later.
-	 * The token is drawn with the row locked, so it is greater than every
-	 * token the key had.
-	 */
+	keytable_prepare_write(kt);
 	claim_values(&kv, args, takeover ?
 				 Max(row->expires_at, args->lease_until) : args->expires_at);
 	kv.token = keytable_next_token();
-	keytable_update(kt, &kv);
-	set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
-	idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
-	return true;
+	written = keytable_update(kt, row, &kv, wait);
+	if (written == KEYWRITE_OK)
+	{
+		set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+		idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
+	}
+	return written;
 }
 
 /* The error of a call that could not settle in IDEM_MAX_CLAIM_ROUNDS. */
@@ -293,26 +297,30 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 
 		if (keytable_read(kt, &row, args->result_cxt))
 		{
-			KeyLock		lock;
-
-			if (decide(args, &row, NULL, res))
+			if (decide(args, &row, res))
 				return;
-			lock = keytable_lock(kt, &row, false, !may_wait, args->result_cxt);
-			if (lock == KEYLOCK_OK)
+			switch (reclaim(kt, args, &row, may_wait, res))
 			{
-				decide(args, &row, kt, res);
-				return;
+				case KEYWRITE_OK:
+					return;
+				case KEYWRITE_BUSY:
+					set_in_flight(res, NULL);
+					return;
+				case KEYWRITE_CHANGED:
+					/* Changed since it was read, maybe after a wait. */
+					may_wait = false;
+					continue;
 			}
-			if (lock == KEYLOCK_BUSY)
-			{
-				set_in_flight(res, NULL);
-				return;
-			}
-			/* Changed or deleted since it was read, maybe after a wait. */
-			may_wait = false;
-			continue;
 		}
 
+		/* A new key: insert it, and find out who was first if that fails. */
+		claim_values(&kv, args, args->expires_at);
+		if (keytable_insert(kt, &kv))
+		{
+			set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+			idem_stats_count(IDEM_STAT_CLAIMS);
+			return;
+		}
 		switch (keytable_probe(kt, &waiter))
 		{
 			case PROBE_IN_PROGRESS:
@@ -323,7 +331,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 				}
 				keytable_wait(kt, &waiter);
 				may_wait = false;
-				continue;
+				break;
 			case PROBE_COMMITTED:
 				/* Claimed and committed after this snapshot was taken. */
 				if (IsolationUsesXactSnapshot())
@@ -332,19 +340,11 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 							 errmsg("could not serialize access due to concurrent update"),
 							 errdetail("Idempotency key \"%s\" was claimed after this transaction's snapshot.",
 									   idem_key_for_message(kt->key))));
-				continue;
+				break;
 			case PROBE_NONE:
+				/* The other inserter is gone already: try again. */
 				break;
 		}
-
-		claim_values(&kv, args, args->expires_at);
-		if (keytable_insert(kt, &kv))
-		{
-			set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
-			idem_stats_count(IDEM_STAT_CLAIMS);
-			return;
-		}
-		/* Another transaction inserted the key first: the probe tells who. */
 	}
 	too_many_rounds(kt->key);
 }
@@ -450,38 +450,27 @@ idem_begin(PG_FUNCTION_ARGS)
 	return (Datum) 0;
 }
 
-typedef enum HolderLock
+typedef enum Holder
 {
 	HOLDER_NONE,				/* no live row (missing_ok only) */
-	HOLDER_WRITE,				/* the holder may write the locked row */
+	HOLDER_WRITE,				/* the holder may write the row */
 	HOLDER_DONE					/* the row is completed already */
-} HolderLock;
+} Holder;
 
 /*
- * Lock the key's row for a write by the holder of the token argument at
- * argno, and check that the holder may write it; a NULL token stands for
- * the claim this transaction made.  Raises the error that explains a
- * refusal, checking who holds the key before what it holds, so that a
- * caller without the claim learns nothing of the stored request.
- * Returns HOLDER_DONE for a completed row of the same holder, which the
- * caller accepts or refuses, and HOLDER_NONE instead of an error for a
- * missing or expired key if missing_ok.
+ * Check that the holder of the token argument at argno may write the key's
+ * row as read; a NULL token stands for the claim this transaction made.
+ * Raises the error that explains a refusal, checking who holds the key
+ * before what it holds, so that a caller without the claim learns nothing
+ * of the stored request.  Returns HOLDER_DONE for a completed row of the
+ * same holder, which the caller accepts or refuses, and HOLDER_NONE
+ * instead of an error for a missing or expired key if missing_ok.
  */
-static HolderLock
-lock_for_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt,
-				KeyRow *row, bytea *fingerprint, TimestampTz now,
-				bool missing_ok, MemoryContext body_cxt)
+static Holder
+check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
+			 bytea *fingerprint, TimestampTz now, bool missing_ok)
 {
-	int			round;
 	int64		token;
-
-	for (round = 0; round < IDEM_MAX_CLAIM_ROUNDS; round++)
-	{
-		if (keytable_lock(kt, row, true, false, body_cxt) != KEYLOCK_CHANGED)
-			break;
-	}
-	if (round == IDEM_MAX_CLAIM_ROUNDS)
-		too_many_rounds(kt->key);
 
 	if ((!row->found || row->expires_at <= now) && missing_ok)
 		return HOLDER_NONE;
@@ -592,6 +581,7 @@ idem_complete(PG_FUNCTION_ARGS)
 	TimestampTz expires_at = 0;
 	KeyTable	kt;
 	KeyRow		row;
+	int			round;
 
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
@@ -613,11 +603,21 @@ idem_complete(PG_FUNCTION_ARGS)
 		expires_at = idem_window_end(now, retention, 0, "retention");
 
 	keytable_open(&kt, "idem_complete()", scope, key);
-	if (lock_for_holder(fcinfo, 4, &kt, &row, fingerprint, now, false,
-						CurrentMemoryContext) == HOLDER_WRITE)
+	for (round = 0;; round++)
 	{
 		KeyValues	kv;
 
+		if (round == IDEM_MAX_CLAIM_ROUNDS)
+			too_many_rounds(key);
+		keytable_read_for_write(&kt, &row, CurrentMemoryContext);
+		if (check_holder(fcinfo, 4, &kt, &row, fingerprint, now,
+						 false) == HOLDER_DONE)
+		{
+			if (row.status != status || !same_body(body, row.body))
+				already_completed(key, true);
+			expires_at = row.expires_at;	/* a repeat of the stored response */
+			break;
+		}
 		row_values(&kv, &row, fingerprint);
 		kv.done = true;
 		kv.status = status;
@@ -625,14 +625,14 @@ idem_complete(PG_FUNCTION_ARGS)
 		kv.has_lease = false;
 		if (retention != NULL)
 			kv.expires_at = expires_at;
-		expires_at = kv.expires_at;
-		keytable_update(&kt, &kv);
-		idem_stats_count(IDEM_STAT_COMPLETES);
+		if (keytable_update(&kt, &row, &kv, true) == KEYWRITE_OK)
+		{
+			expires_at = kv.expires_at;
+			idem_stats_count(IDEM_STAT_COMPLETES);
+			break;
+		}
+		/* Changed since it was read: read it again and check again. */
 	}
-	else if (row.status == status && same_body(body, row.body))
-		expires_at = row.expires_at;	/* a repeat of the stored response */
-	else
-		already_completed(key, true);
 	keytable_close(&kt);
 
 	PG_RETURN_TIMESTAMPTZ(expires_at);
@@ -651,20 +651,29 @@ idem_release(PG_FUNCTION_ARGS)
 	KeyTable	kt;
 	KeyRow		row;
 	bool		released = false;
+	int			round;
 
 	keytable_open(&kt, "idem_release()", scope, key);
-	switch (lock_for_holder(fcinfo, 1, &kt, &row, NULL, now, true, NULL))
+	for (round = 0;; round++)
 	{
-		case HOLDER_NONE:
-			break;
-		case HOLDER_DONE:
-			already_completed(key, false);
-			break;
-		case HOLDER_WRITE:
-			keytable_delete(&kt);
-			idem_stats_count(IDEM_STAT_RELEASES);
-			released = true;
-			break;
+		if (round == IDEM_MAX_CLAIM_ROUNDS)
+			too_many_rounds(key);
+		keytable_read_for_write(&kt, &row, NULL);
+		switch (check_holder(fcinfo, 1, &kt, &row, NULL, now, true))
+		{
+			case HOLDER_NONE:
+				break;
+			case HOLDER_DONE:
+				already_completed(key, false);
+				break;
+			case HOLDER_WRITE:
+				if (keytable_delete(&kt, &row, true) != KEYWRITE_OK)
+					continue;	/* changed since it was read */
+				idem_stats_count(IDEM_STAT_RELEASES);
+				released = true;
+				break;
+		}
+		break;
 	}
 	keytable_close(&kt);
 
@@ -687,18 +696,30 @@ idem_extend(PG_FUNCTION_ARGS)
 	KeyTable	kt;
 	KeyRow		row;
 	KeyValues	kv;
+	int			round;
 
 	keytable_open(&kt, "idem_extend()", scope, key);
-	if (lock_for_holder(fcinfo, 1, &kt, &row, NULL, now, false,
-						NULL) == HOLDER_DONE)
-		already_completed(key, false);
-	row_values(&kv, &row, NULL);
-	if (row.has_lease && row.lease_until > lease_until)
-		lease_until = row.lease_until;
-	kv.has_lease = true;
-	kv.lease_until = lease_until;
-	kv.expires_at = Max(row.expires_at, lease_until);
-	keytable_update(&kt, &kv);
+	for (round = 0;; round++)
+	{
+		TimestampTz until = lease_until;
+
+		if (round == IDEM_MAX_CLAIM_ROUNDS)
+			too_many_rounds(key);
+		keytable_read_for_write(&kt, &row, NULL);
+		if (check_holder(fcinfo, 1, &kt, &row, NULL, now, false) == HOLDER_DONE)
+			already_completed(key, false);
+		row_values(&kv, &row, NULL);
+		if (row.has_lease && row.lease_until > until)
+			until = row.lease_until;
+		kv.has_lease = true;
+		kv.lease_until = until;
+		kv.expires_at = Max(row.expires_at, until);
+		if (keytable_update(&kt, &row, &kv, true) == KEYWRITE_OK)
+		{
+			lease_until = until;
+			break;
+		}
+	}
 	keytable_close(&kt);
 
 	PG_RETURN_TIMESTAMPTZ(lease_until);

@@ -97,6 +97,8 @@ static uint64 shape_checked = 0;
 static MemoryContext keytable_cxt = NULL;
 static IndexInfo *pkey_info = NULL;
 static Oid	pkey_relid = InvalidOid;
+/* The primary key's column order: (key, scope) from 1.2 on, else (scope, key). */
+static bool pkey_key_first = true;
 
 static void
 keys_relcache_callback(Datum arg, Oid relid)
@@ -257,13 +259,16 @@ check_shape(Relation rel)
 	if (pkey->rd_rel->relam != BTREE_AM_OID ||
 		pkey->rd_index->indnatts != 2 ||
 		pkey->rd_index->indnkeyatts != 2 ||
-		pkey->rd_index->indkey.values[0] != 1 ||
-		pkey->rd_index->indkey.values[1] != 2 ||
+		!((pkey->rd_index->indkey.values[0] == Anum_keys_key &&
+		   pkey->rd_index->indkey.values[1] == Anum_keys_scope) ||
+		  (pkey->rd_index->indkey.values[0] == Anum_keys_scope &&
+		   pkey->rd_index->indkey.values[1] == Anum_keys_key)) ||
 		!pkey->rd_index->indimmediate ||
 		RelationGetIndexExpressions(pkey) != NIL ||
 		RelationGetIndexPredicate(pkey) != NIL)
 		refuse_shape(rel, "its primary key was changed",
-					 "It should be a btree on (scope, key).");
+					 "It should be a btree on (key, scope).");
+	pkey_key_first = (pkey->rd_index->indkey.values[0] == Anum_keys_key);
 
 	seqtup = SearchSysCache1(SEQRELID, ObjectIdGetDatum(token_seq_relid));
 	if (!HeapTupleIsValid(seqtup))
@@ -406,6 +411,28 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 	row->tid = slot->tts_tid;
 }
 
+/* The key's two values in the primary key's column order. */
+static void
+pkey_values(KeyTable *kt, Datum *values)
+{
+	values[pkey_key_first ? 0 : 1] = PointerGetDatum(kt->key);
+	values[pkey_key_first ? 1 : 0] = PointerGetDatum(kt->scope);
+}
+
+/* Scan keys for an equality lookup of the key in the primary key. */
+static void
+set_scan_keys(KeyTable *kt, ScanKey skey)
+{
+	Datum		values[2];
+	int			i;
+
+	pkey_values(kt, values);
+	for (i = 0; i < 2; i++)
+		ScanKeyEntryInitialize(&skey[i], 0, i + 1, BTEqualStrategyNumber,
+							   InvalidOid, kt->pkey->rd_indcollation[i],
+							   F_TEXTEQ, values[i]);
+}
+
 /*
  * Find the key through the primary key with snapshot; the version found
  * is left in the slot.
@@ -417,12 +444,7 @@ fetch_key(KeyTable *kt, Snapshot snapshot)
 	IndexScanDesc scan;
 	bool		found;
 
-	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   kt->pkey->rd_indcollation[0], F_TEXTEQ,
-						   PointerGetDatum(kt->scope));
-	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
-						   kt->pkey->rd_indcollation[1], F_TEXTEQ,
-						   PointerGetDatum(kt->key));
+	set_scan_keys(kt, skey);
 	scan = idem_index_beginscan(kt->rel, kt->pkey, snapshot, 2, 0);
 	index_rescan(scan, skey, 2, NULL, 0);
 	found = index_getnext_slot(scan, ForwardScanDirection, kt->slot);
@@ -466,12 +488,7 @@ keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 	KeyProbe	result = PROBE_NONE;
 
 	InitDirtySnapshot(snap);
-	ScanKeyEntryInitialize(&skey[0], 0, 1, BTEqualStrategyNumber, InvalidOid,
-						   kt->pkey->rd_indcollation[0], F_TEXTEQ,
-						   PointerGetDatum(kt->scope));
-	ScanKeyEntryInitialize(&skey[1], 0, 2, BTEqualStrategyNumber, InvalidOid,
-						   kt->pkey->rd_indcollation[1], F_TEXTEQ,
-						   PointerGetDatum(kt->key));
+	set_scan_keys(kt, skey);
 	scan = idem_index_beginscan(kt->rel, kt->pkey, &snap, 2, 0);
 	index_rescan(scan, skey, 2, NULL, 0);
 	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
@@ -537,8 +554,7 @@ insert_pkey_entry(KeyTable *kt, ItemPointer tid, IndexUniqueCheck check)
 	Datum		values[2];
 	bool		nulls[2] = {false, false};
 
-	values[0] = PointerGetDatum(kt->scope);
-	values[1] = PointerGetDatum(kt->key);
+	pkey_values(kt, values);
 	return index_insert(kt->pkey, values, nulls, tid, kt->rel, check,
 						check == UNIQUE_CHECK_YES, pkey_info);
 }
@@ -591,12 +607,17 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 		if (next != kv->token + 1)
 		{
 			HeapTuple	newtuple;
+			TM_FailureData tmfd;
+			bool		index_new_version;
 
 			kv->token = next;
 			newtuple = form_row(kt, kv);
 			CommandCounterIncrement();
-			idem_simple_heap_update(kt->rel, &tuple->t_self, newtuple);
-			if (!HeapTupleIsHeapOnly(newtuple))
+			if (idem_heap_update(kt->rel, &tuple->t_self, newtuple,
+								 GetCurrentCommandId(true), true, &tmfd,
+								 &index_new_version) != TM_Ok)
+				elog(ERROR, "could not give idempotency key a new token");
+			if (index_new_version)
 				insert_pkey_entry(kt, &newtuple->t_self, UNIQUE_CHECK_YES);
 			heap_freetuple(newtuple);
 		}
@@ -606,84 +627,55 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 }
 
 /*
- * Lock the key's row as SELECT ... FOR UPDATE would.
- *
- * With latest, find the row with a new snapshot and lock its latest
- * version, waiting for a transaction that holds it (READ COMMITTED; in
- * REPEATABLE READ and SERIALIZABLE a version newer than the snapshot is a
- * serialization failure).  Otherwise lock exactly the version in *row, as
- * keytable_read found it: KEYLOCK_CHANGED if it was updated since, so
- * that the caller decides again from the new version instead of holding a
- * lock it will not use.  skip: never wait, KEYLOCK_BUSY instead.
- *
- * On KEYLOCK_OK, *row is the locked version and the slot holds it.
+ * Read the key for a write by its holder: as keytable_read, but in
+ * REPEATABLE READ and SERIALIZABLE a version the transaction's snapshot
+ * cannot see (claimed since) is a serialization failure, not "no key".
  */
-KeyLock
-keytable_lock(KeyTable *kt, KeyRow *row, bool latest, bool skip,
-			  MemoryContext body_cxt)
+bool
+keytable_read_for_write(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 {
-	Snapshot	snapshot;
-	ItemPointerData tid;
-	TM_FailureData tmfd;
-	TM_Result	result;
-	ErrorContextCallback errcb;
-	KeyLock		lock = KEYLOCK_OK;
+	KeyWaiter	waiter;
 
-	keytable_prepare_write(kt);
-	CommandCounterIncrement();
-	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	if (latest)
+	if (keytable_read(kt, row, body_cxt) || !IsolationUsesXactSnapshot())
+		return row->found;
+	for (;;)
 	{
-		if (!fetch_key(kt, snapshot))
+		switch (keytable_probe(kt, &waiter))
 		{
-			KeyWaiter	waiter;
-
-			/* A version the transaction's snapshot cannot see? */
-			while (IsolationUsesXactSnapshot() &&
-				   keytable_probe(kt, &waiter) != PROBE_NONE)
-			{
-				if (TransactionIdIsValid(waiter.xid) && !skip &&
-					!TransactionIdIsCurrentTransactionId(waiter.xid))
+			case PROBE_NONE:
+				return false;
+			case PROBE_IN_PROGRESS:
+				if (!TransactionIdIsCurrentTransactionId(waiter.xid))
 				{
 					keytable_wait(kt, &waiter);
-					waiter.xid = InvalidTransactionId;
 					continue;
 				}
+				/* fall through */
+			case PROBE_COMMITTED:
 				ereport(ERROR,
 						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-						 errmsg("could not serialize access due to concurrent update")));
-			}
-			UnregisterSnapshot(snapshot);
-			memset(row, 0, sizeof(KeyRow));
-			return KEYLOCK_GONE;
+						 errmsg("could not serialize access due to concurrent update"),
+						 errdetail("Idempotency key \"%s\" was claimed after this transaction's snapshot.",
+								   idem_key_for_message(kt->key))));
 		}
-		tid = kt->slot->tts_tid;
 	}
-	else
-		tid = row->tid;
+}
 
-	errcb.callback = wait_context;
-	errcb.arg = kt;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
-	ExecClearTuple(kt->slot);
-	result = table_tuple_lock(kt->rel, &tid, snapshot, kt->slot,
-							  GetCurrentCommandId(true), LockTupleExclusive,
-							  skip ? LockWaitSkip : LockWaitBlock,
-							  (latest && !IsolationUsesXactSnapshot()) ?
-							  TUPLE_LOCK_FLAG_FIND_LAST_VERSION : 0,
-							  &tmfd);
-	error_context_stack = errcb.previous;
-	UnregisterSnapshot(snapshot);
-
+/*
+ * What a write of the version read found: written, changed since (a
+ * serialization failure in REPEATABLE READ and SERIALIZABLE, else the
+ * caller reads again and decides anew), or busy (no wait).
+ */
+static KeyWrite
+write_result(KeyTable *kt, TM_Result result)
+{
 	switch (result)
 	{
 		case TM_Ok:
-			set_row(row, kt->slot, body_cxt);
-			break;
+			return KEYWRITE_OK;
+		case TM_BeingModified:
 		case TM_WouldBlock:
-			lock = KEYLOCK_BUSY;
-			break;
+			return KEYWRITE_BUSY;
 		case TM_Updated:
 		case TM_Deleted:
 			if (IsolationUsesXactSnapshot())
@@ -691,41 +683,73 @@ keytable_lock(KeyTable *kt, KeyRow *row, bool latest, bool skip,
 						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
 						 errmsg("could not serialize access due to concurrent %s",
 								result == TM_Updated ? "update" : "delete")));
-			lock = (result == TM_Deleted) ? KEYLOCK_GONE : KEYLOCK_CHANGED;
-			break;
+			return KEYWRITE_CHANGED;
 		case TM_SelfModified:
-			/* Changed by this transaction after the version was read. */
-			lock = KEYLOCK_CHANGED;
-			break;
+			return KEYWRITE_CHANGED;
 		default:
-			elog(ERROR, "unexpected table_tuple_lock status: %u", result);
+			elog(ERROR, "unexpected status %u writing idem.keys", result);
 	}
-	if (lock != KEYLOCK_OK)
-		memset(row, 0, sizeof(KeyRow));
-	return lock;
+	pg_unreachable();
 }
 
-/* Replace the version locked by keytable_lock with the values of kv. */
-void
-keytable_update(KeyTable *kt, KeyValues *kv)
+/*
+ * Replace the version of the key's row in *row, as keytable_read found it,
+ * with the values of kv, as UPDATE does: if another transaction is
+ * changing that version, wait for it (or return KEYWRITE_BUSY if !wait);
+ * if it was changed since, write nothing.  A row locked only by this
+ * transaction itself is written without waiting.
+ */
+KeyWrite
+keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 {
-	HeapTuple	tuple = form_row(kt, kv);
-	ItemPointerData otid = kt->slot->tts_tid;
+	HeapTuple	tuple;
+	TM_FailureData tmfd;
+	TM_Result	result;
+	bool		index_new_version;
+	ErrorContextCallback errcb;
 
 	keytable_prepare_write(kt);
-	if (idem_simple_heap_update(kt->rel, &otid, tuple))
+	tuple = form_row(kt, kv);
+	errcb.callback = wait_context;
+	errcb.arg = kt;
+	errcb.previous = error_context_stack;
+	error_context_stack = &errcb;
+	result = idem_heap_update(kt->rel, &row->tid, tuple,
+							  GetCurrentCommandId(true), wait, &tmfd,
+							  &index_new_version);
+	if (result == TM_BeingModified && !wait &&
+		TransactionIdIsCurrentTransactionId(tmfd.xmax))
+		result = idem_heap_update(kt->rel, &row->tid, tuple,
+								  GetCurrentCommandId(true), true, &tmfd,
+								  &index_new_version);
+	error_context_stack = errcb.previous;
+	if (index_new_version)
 		insert_pkey_entry(kt, &tuple->t_self, UNIQUE_CHECK_YES);
 	heap_freetuple(tuple);
+	return write_result(kt, result);
 }
 
-/* Delete the version locked by keytable_lock. */
-void
-keytable_delete(KeyTable *kt)
+/* Delete the version of the key's row in *row, as keytable_update writes. */
+KeyWrite
+keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 {
-	ItemPointerData tid = kt->slot->tts_tid;
+	TM_FailureData tmfd;
+	TM_Result	result;
+	ErrorContextCallback errcb;
 
 	keytable_prepare_write(kt);
-	simple_heap_delete(kt->rel, &tid);
+	errcb.callback = wait_context;
+	errcb.arg = kt;
+	errcb.previous = error_context_stack;
+	error_context_stack = &errcb;
+	result = heap_delete(kt->rel, &row->tid, GetCurrentCommandId(true),
+						 InvalidSnapshot, wait, &tmfd, false);
+	if (result == TM_BeingModified && !wait &&
+		TransactionIdIsCurrentTransactionId(tmfd.xmax))
+		result = heap_delete(kt->rel, &row->tid, GetCurrentCommandId(true),
+							 InvalidSnapshot, true, &tmfd, false);
+	error_context_stack = errcb.previous;
+	return write_result(kt, result);
 }
 
 /*

@@ -40,7 +40,7 @@ typedef struct KeyTable
 	Relation	rel;
 	Relation	pkey;
 	bool		writable;		/* keytable_prepare_write done */
-	TupleTableSlot *slot;		/* the version last read or locked */
+	TupleTableSlot *slot;		/* the version last read */
 	const char *what;			/* the SQL function, for error messages */
 	text	   *scope;			/* the key being worked on */
 	text	   *key;
@@ -62,14 +62,13 @@ typedef struct KeyWaiter
 	ItemPointerData tid;
 } KeyWaiter;
 
-/* Outcome of keytable_lock. */
-typedef enum KeyLock
+/* Outcome of keytable_update and keytable_delete. */
+typedef enum KeyWrite
 {
-	KEYLOCK_OK,					/* locked; the slot holds the locked version */
-	KEYLOCK_GONE,				/* no live row */
-	KEYLOCK_CHANGED,			/* the version read was updated since */
-	KEYLOCK_BUSY				/* skip mode: another transaction holds it */
-} KeyLock;
+	KEYWRITE_OK,				/* written */
+	KEYWRITE_CHANGED,			/* the version read was changed or deleted since */
+	KEYWRITE_BUSY				/* no wait: another transaction is changing it */
+} KeyWrite;
 
 /* The columns of a new or changed row. */
 typedef struct KeyValues
@@ -92,10 +91,11 @@ extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
 extern KeyProbe keytable_probe(KeyTable *kt, KeyWaiter *waiter);
 extern void keytable_wait(KeyTable *kt, KeyWaiter *waiter);
 extern bool keytable_insert(KeyTable *kt, KeyValues *kv);
-extern KeyLock keytable_lock(KeyTable *kt, KeyRow *row, bool latest,
-							 bool skip, MemoryContext body_cxt);
-extern void keytable_update(KeyTable *kt, KeyValues *kv);
-extern void keytable_delete(KeyTable *kt);
+extern bool keytable_read_for_write(KeyTable *kt, KeyRow *row,
+									MemoryContext body_cxt);
+extern KeyWrite keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv,
+								bool wait);
+extern KeyWrite keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
 extern int64 keytable_next_token(void);
 extern int64 keytable_purge_batch(TimestampTz now, int limit,
 								  ItemPointer cursor, bool *at_end);
