@@ -82,7 +82,7 @@ tps() {
 }
 
 rows=()
-row() { rows+=("$(printf '%-34s %14s %14s %14s %8s %8s' "$@")"); }
+row() { rows+=("$(printf '%-44s %14s %14s %14s %8s %8s  %s' "$@")"); }
 
 # 1. Bulk CPU cost.
 bulk_idem="SELECT count(*) FROM generate_series(1, $bulk) g,
@@ -110,11 +110,34 @@ done
 bi=$(printf '%s\n' "${ti[@]}" | median)
 bp=$(printf '%s\n' "${tp[@]}" | median)
 bs=$(printf '%s\n' "${ts[@]}" | median)
-row "1 bulk $bulk keys (ms, lower=better)" "idem $bi" "sql $bs" "plpgsql $bp" "$(ratio "$bi" "$bs")" "$(ratio "$bi" "$bp")"
+row "1 bulk $bulk keys (ms, lower=better)" "idem $bi" "sql $bs" "plpgsql $bp" "$(ratio "$bi" "$bs")" "$(ratio "$bi" "$bp")" "<=1.2, <=0.5"
+
+# 1b. In-statement replay: every key of a bulk claim answered DONE with its
+# status and body, against a nested-loop primary-key lookup of status and
+# body in a table of the same shape (hash and merge joins and sequential
+# scans off, so that the peer does one index lookup per key).
+replay_idem="SELECT count(*), sum(length(b.body)) FROM generate_series(1, $bulk) g,
+	LATERAL idem_begin('b' || g, 'fp') b WHERE b.state = 'DONE' AND b.status = 200"
+replay_sql="SET enable_hashjoin = off; SET enable_mergejoin = off; SET enable_seqscan = off;
+	SELECT count(*), sum(length(p.body)) FROM generate_series(1, $bulk) g
+	JOIN plain_keys p ON p.key = 'b' || g AND p.scope = '' WHERE p.status = 200"
+reset_keys
+timed "$bulk_idem" >/dev/null
+timed "$bulk_sql" >/dev/null
+[ "$(sql "$replay_idem" | cut -d'|' -f1)" = "$bulk" ]
+[ "$(sql "$replay_sql" | tail -1 | cut -d'|' -f1)" = "$bulk" ]
+ti=() ts=()
+for _ in $(seq "$runs"); do
+	ti+=("$(timed "$replay_idem")")
+	ts+=("$(timed "$replay_sql")")
+done
+ri=$(printf '%s\n' "${ti[@]}" | median)
+rs=$(printf '%s\n' "${ts[@]}" | median)
+row "1b replay $bulk keys in one statement (ms)" "idem $ri" "pk $rs" "-" "$(ratio "$ri" "$rs")" "-" "<=1.3"
 
 # 2. pgbench multi-step and one transaction; 3. replay.
 pgb() {
-	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5
+	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5 target=$6
 	local a=() b=() c=()
 	for _ in $(seq "$runs"); do
 		[ "$name" = replay ] || reset_keys
@@ -127,18 +150,18 @@ pgb() {
 	bi=$(printf '%s\n' "${b[@]}" | median)
 	if [ -n "$plpg" ]; then
 		ci=$(printf '%s\n' "${c[@]}" | median)
-		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "plpgsql $ci" "$(ratio "$ai" "$bi")" "$(ratio "$ai" "$ci")"
+		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "plpgsql $ci" "$(ratio "$ai" "$bi")" "$(ratio "$ai" "$ci")" "$target"
 	else
-		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "-" "$(ratio "$ai" "$bi")" "-"
+		row "$name (tps, higher=better)" "idem $ai" "sql $bi" "-" "$(ratio "$ai" "$bi")" "-" "$target"
 	fi
 }
-pgb "2 multi-step, $clients clients" idem_multi.sql plain_multi.sql plpg_multi.sql $clients
-pgb "2 one transaction, $clients clients" idem_onetx.sql plain_onetx.sql plpg_onetx.sql $clients
+pgb "2 multi-step, $clients clients" idem_multi.sql plain_multi.sql plpg_multi.sql $clients ">=1.25"
+pgb "2 one transaction, $clients clients" idem_onetx.sql plain_onetx.sql plpg_onetx.sql $clients ">=1.0"
 reset_keys
 sql "SELECT count(*) FROM generate_series(1, 1000) g, LATERAL idem_begin('hot' || g, 'fp') b,
 	LATERAL idem_complete('hot' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c" >/dev/null
 sql "INSERT INTO plain_keys SELECT * FROM idem.keys" >/dev/null
-pgb "3 replay" idem_replay.sql plain_replay.sql "" $clients
+pgb "3 replay" idem_replay.sql plain_replay.sql "" $clients ">=1.0"
 
 # 4. Contention: 32 clients, 16 keys; one holder per key at any time.
 sql "TRUNCATE idem.keys, holders, claims_log"
@@ -150,7 +173,7 @@ left=$(sql "SELECT count(*) FROM holders")
 	echo "contention check failed: claims=$held duplicate tokens=$dup holders left=$left" >&2
 	exit 1
 }
-row "4 contention 32 clients/16 keys" "tps $ct" "claims $held" "2nd holder 0" "-" "-"
+row "4 contention 32 clients/16 keys" "tps $ct" "claims $held" "2nd holder 0" "-" "-" "one holder"
 
 # 5. Purge of expired keys: idem_purge batches vs one DELETE, and claim
 # latency on other keys during the purge.
@@ -172,7 +195,7 @@ for _ in $(seq "$runs"); do
 done
 pmi=$(printf '%s\n' "${pi[@]}" | median)
 pms=$(printf '%s\n' "${ps[@]}" | median)
-row "5 purge $purge_rows keys (ms)" "idem $pmi" "DELETE $pms" "-" "$(ratio "$pmi" "$pms")" "-"
+row "5 purge $purge_rows keys (ms)" "idem $pmi" "DELETE $pms" "-" "$(ratio "$pmi" "$pms")" "-" "<=1.5"
 
 # p99 claim latency (4 clients, multi-step) without and during a purge.
 p99() {
@@ -198,7 +221,7 @@ sleep 0.2
 timed "DO \$\$ BEGIN FOR i IN 1..$((purge_rows / 10000 + 1)) LOOP EXIT WHEN idem_purge(10000) = 0; COMMIT; PERFORM pg_sleep(0.01); END LOOP; END \$\$" >/dev/null
 wait $lat_pid
 purge_p99=$(p99 "$work/purge")
-row "5 claim p99 during purge (us)" "purge $purge_p99" "none $base_p99" "-" "$(ratio "$purge_p99" "$base_p99")" "-"
+row "5 claim p99 during purge (us)" "purge $purge_p99" "none $base_p99" "-" "$(ratio "$purge_p99" "$base_p99")" "-" "<=2"
 
 # 6. Size per key (table + indexes + TOAST) and bloat after churn.
 size_of() { sql "SELECT pg_total_relation_size('$1')"; }
@@ -224,7 +247,7 @@ for body in 16 4096; do
 		"VACUUM ANALYZE idem.keys, plain_keys" >/dev/null
 	si=$(per_key "$(size_of idem.keys)" "$n")
 	sp=$(per_key "$(size_of plain_keys)" "$n")
-	row "6 bytes/key, ${body}B body" "idem $si" "sql $sp" "-" "$(ratio "$si" "$sp")" "-"
+	row "6 bytes/key, ${body}B body" "idem $si" "sql $sp" "-" "$(ratio "$si" "$sp")" "-" "<=1.0"
 done
 
 # Steady churn with a one-hour retention: every quarter of an hour, claim
@@ -248,10 +271,10 @@ churn_hour 0
 s1=$(size_of idem.keys)
 for h in 1 2 3 4 5; do churn_hour $h; done
 s5=$(size_of idem.keys)
-row "6 size after 6 windows / after 1" "1st $s1" "6th $s5" "-" "$(ratio "$s5" "$s1")" "-"
+row "6 size after 6 windows / after 1" "1st $s1" "6th $s5" "-" "$(ratio "$s5" "$s1")" "-" "<=1.5"
 
 echo
-printf '%-34s %14s %14s %14s %8s %8s\n' "workload" "idem" "peer" "peer 2" "idem/sql" "idem/plpg"
+printf '%-44s %14s %14s %14s %8s %8s  %s\n' "workload" "idem" "peer" "peer 2" "idem/sql" "idem/plpg" "target"
 printf '%s\n' "${rows[@]}"
 echo
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $(pg_config --version | awk '{print $2}'), runs=$runs, pgbench ${secs}s"
