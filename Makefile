@@ -15,7 +15,7 @@ PGFILEDESC = "idem - idempotency keys with a dedup window"
 
 REGRESS = setup begin fingerprint complete lease release_extend savepoint purge bad_input \
 	settings go_scenarios interface inspect storage security upgrade
-REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check \
+REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check --inputdir=test \
 	--outputdir=test/output/regress
 
 ISOLATION = claim_concurrent lease_takeover conflict savepoint purge_reclaim \

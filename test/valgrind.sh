@@ -98,7 +98,7 @@ fi
 # The suites as make installcheck runs them, against this server.
 opts="--host=$dir --port=$port"
 make -s PG_CONFIG="$pg_config" installcheck TAP_TESTS= ISOLATION= \
-	REGRESS_OPTS="$opts --outputdir=$out/regress --dbname=idem_regression" \
+	REGRESS_OPTS="$opts --inputdir=test --outputdir=$out/regress --dbname=idem_regression" \
 	>"$out/tests.log" 2>&1
 tests=$?
 if [ -n "${VALGRIND_ISOLATION:-}" ]; then

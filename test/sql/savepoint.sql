@@ -1,68 +1,34 @@
 --
 -- Claims, completions and releases inside savepoints follow the
--- savepoint: rolled back, they are gone.  Uses try() from begin.sql.
+-- savepoint: rolled back, they are gone.  Uses try() from setup.sql.
 --
+
 -- A claim in a savepoint that rolls back is gone; the key is free at once,
 -- within the same transaction and after it.
 BEGIN;
 SAVEPOINT s;
 SELECT claimed, state, token AS tok1 FROM idem_begin('s-key', 'fp', lease => '10 minutes') \gset
 \echo :claimed :state
-t PROCESSING
 ROLLBACK TO SAVEPOINT s;
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 's-key';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state, token > :tok1 AS greater_token FROM idem_begin('s-key', 'other-fp');
- claimed |   state    | greater_token 
----------+------------+---------------
- t       | PROCESSING | t
-(1 row)
-
 ROLLBACK TO SAVEPOINT s;
 COMMIT;
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 's-key';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state, token > :tok1 AS greater_token, token AS tok2
   FROM idem_begin('s-key', 'fp', lease => '1 minute') \gset
 \echo :claimed :state :greater_token
-t PROCESSING t
+
 -- A claim in a released savepoint is kept, and the transaction holds it:
 -- idem_complete without token works after the savepoint.
 BEGIN;
 SAVEPOINT s;
 SELECT claimed FROM idem_begin('s-kept', 'fp');
- claimed 
----------
- t
-(1 row)
-
 RELEASE SAVEPOINT s;
 SELECT claimed, state FROM idem_begin('s-kept', 'fp');
- claimed |   state    
----------+------------
- t       | PROCESSING
-(1 row)
-
 SELECT idem_complete('s-kept', 'fp', 200, 'kept') IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 COMMIT;
 SELECT state, status, convert_from(body, 'UTF8') AS body FROM idem_begin('s-kept', 'fp');
- state | status | body 
--------+--------+------
- DONE  |    200 | kept
-(1 row)
 
 -- A takeover in a savepoint that rolls back restores the earlier claim:
 -- its holder's token is current again.
@@ -70,92 +36,34 @@ SET idem.clock_offset = '61s';
 BEGIN;
 SAVEPOINT s;
 SELECT claimed, token > :tok2 AS greater_token FROM idem_begin('s-key', 'fp');
- claimed | greater_token 
----------+---------------
- t       | t
-(1 row)
-
 ROLLBACK TO SAVEPOINT s;
 SELECT token = :tok2 AS old_token_back FROM idem.keys WHERE key = 's-key';
- old_token_back 
-----------------
- t
-(1 row)
-
 COMMIT;
 RESET idem.clock_offset;
+
 -- A completion in a savepoint that rolls back leaves the key PROCESSING.
 BEGIN;
 SAVEPOINT s;
 SELECT idem_complete('s-key', 'fp', 500, 'undone', :tok2) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 ROLLBACK TO SAVEPOINT s;
 SELECT status, body FROM idem.keys WHERE key = 's-key';
- status | body 
---------+------
-        | 
-(1 row)
-
 COMMIT;
 SELECT claimed, state, status FROM idem_begin('s-key', 'fp');
- claimed |   state    | status 
----------+------------+--------
- f       | PROCESSING |       
-(1 row)
 
 -- A release in a savepoint that rolls back leaves the claim in place.
 BEGIN;
 SAVEPOINT s;
 SELECT idem_release('s-key', :tok2) AS released;
- released 
-----------
- t
-(1 row)
-
 ROLLBACK TO SAVEPOINT s;
 COMMIT;
 SELECT token = :tok2 AS same_token, status FROM idem.keys WHERE key = 's-key';
- same_token | status 
-------------+--------
- t          |       
-(1 row)
-
 SELECT idem_complete('s-key', 'fp', 200, 'final', :tok2) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SELECT state, status, convert_from(body, 'UTF8') AS body FROM idem_begin('s-key', 'fp');
- state | status | body  
--------+--------+-------
- DONE  |    200 | final
-(1 row)
 
 -- A failed statement after a claim rolls the whole transaction back with it.
 BEGIN;
 SELECT claimed FROM idem_begin('s-failed', 'fp');
- claimed 
----------
- t
-(1 row)
-
 SELECT 1 / 0;
-ERROR:  division by zero
 ROLLBACK;
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 's-failed';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state FROM idem_begin('s-failed', 'fp');
- claimed |   state    
----------+------------
- t       | PROCESSING
-(1 row)
-

@@ -1,105 +1,38 @@
 --
 -- idem_release gives up a claim; idem_extend moves the lease of a live
--- claim.  Uses try(), key_row() from begin.sql.
+-- claim.  Uses try(), key_row() from setup.sql.
 --
+
 -- Release frees the key at once: the next caller claims it with a greater
 -- token, no need to wait for the lease.
 SELECT token AS tok FROM idem_begin('r-free', 'fp', lease => '10 minutes') \gset
 SELECT claimed, state FROM idem_begin('r-free', 'fp');
- claimed |   state    
----------+------------
- f       | PROCESSING
-(1 row)
-
 SELECT idem_release('r-free', :tok) AS released;
- released 
-----------
- t
-(1 row)
-
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 'r-free';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state, token > :tok AS greater_token, token AS tok2
   FROM idem_begin('r-free', 'other-fp') \gset
 \echo :claimed :state :greater_token
-t PROCESSING t
+
 -- Nothing to release: a missing key, a key already released, a key in
 -- another scope.
 SELECT idem_release('r-missing', :tok) AS released;
- released 
-----------
- f
-(1 row)
-
 SELECT idem_release('r-free', :tok2, scope => 'elsewhere') AS released;
- released 
-----------
- f
-(1 row)
-
 SELECT idem_release('r-free', :tok2) AS released;
- released 
-----------
- t
-(1 row)
-
 SELECT idem_release('r-free', :tok2) AS released;
- released 
-----------
- f
-(1 row)
 
 -- Inside the claiming transaction the token may be NULL; the key is free
 -- for a new claim in the same transaction.
 BEGIN;
 SELECT claimed FROM idem_begin('r-txn', 'fp');
- claimed 
----------
- t
-(1 row)
-
 SELECT idem_release('r-txn', NULL) AS released;
- released 
-----------
- t
-(1 row)
-
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 'r-txn';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state FROM idem_begin('r-txn', 'fp-2');
- claimed |   state    
----------+------------
- t       | PROCESSING
-(1 row)
-
 COMMIT;
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 'r-txn';
- rows_left 
------------
-         1
-(1 row)
-
 -- Outside it, a NULL token does not release another's claim: ID003.
 SELECT key_row('', 'r-txn') AS row0 \gset
 SELECT try($$SELECT idem_release('r-txn', NULL)$$);
-                                try                                
--------------------------------------------------------------------
- ID003: idempotency key "r-txn" is not claimed by this transaction
-(1 row)
-
 SELECT key_row('', 'r-txn') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- A superseded token is refused: ID002, and the new claim stays.
 SELECT token AS tok FROM idem_begin('r-stale', 'fp', lease => '10 seconds') \gset
@@ -107,78 +40,26 @@ SET idem.clock_offset = '11s';
 SELECT claimed, token AS tok2 FROM idem_begin('r-stale', 'fp', lease => '10 seconds') \gset
 SELECT key_row('', 'r-stale') AS row0 \gset
 SELECT try($$SELECT idem_release('r-stale', $$ || :tok || $$)$$);
-                            try                            
------------------------------------------------------------
- ID002: idempotency key "r-stale" is held by a newer claim
-(1 row)
-
 SELECT key_row('', 'r-stale') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 SELECT try($$SELECT idem_extend('r-stale', $$ || :tok || $$, '1 minute')$$);
-                            try                            
------------------------------------------------------------
- ID002: idempotency key "r-stale" is held by a newer claim
-(1 row)
-
 SELECT key_row('', 'r-stale') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- A completed key cannot be released or extended, even by its holder: ID004.
 SELECT idem_complete('r-stale', 'fp', 200, 'done', :tok2) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SELECT key_row('', 'r-stale') AS row0 \gset
 SELECT try($$SELECT idem_release('r-stale', $$ || :tok2 || $$)$$);
-                          try                          
--------------------------------------------------------
- ID004: idempotency key "r-stale" is already completed
-(1 row)
-
 SELECT try($$SELECT idem_extend('r-stale', $$ || :tok2 || $$, '1 minute')$$);
-                          try                          
--------------------------------------------------------
- ID004: idempotency key "r-stale" is already completed
-(1 row)
-
 SELECT key_row('', 'r-stale') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 SELECT state, status FROM idem_begin('r-stale', 'fp');
- state | status 
--------+--------
- DONE  |    200
-(1 row)
-
 RESET idem.clock_offset;
+
 -- A key whose window is over has nothing to release.
 SELECT token AS tok FROM idem_begin('r-expired', 'fp', lease => '10 seconds', retention => '1 hour') \gset
 SET idem.clock_offset = '1h';
 SELECT idem_release('r-expired', :tok) AS released;
- released 
-----------
- f
-(1 row)
-
 SELECT try($$SELECT idem_extend('r-expired', $$ || :tok || $$, '1 minute')$$);
-                         try                          
-------------------------------------------------------
- ID003: idempotency key "r-expired" has no live claim
-(1 row)
-
 RESET idem.clock_offset;
+
 -- Extend moves lease_until to now + lease and returns it; the window
 -- stays.
 CREATE TEMP TABLE e1 AS
@@ -190,27 +71,12 @@ SELECT idem_extend('e-long', :tok, '2 minutes') AS lease2 \gset
 SELECT clock_timestamp() AS t1 \gset
 SELECT :'lease2'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 minutes 5 seconds'
                                  AND :'t1'::timestamptz + interval '2 minutes 5 seconds' AS lease_from_now;
- lease_from_now 
-----------------
- t
-(1 row)
-
 SELECT token = :tok AS same_token, lease_until = :'lease2' AS stored_lease,
        expires_at = :'exp1' AS same_window
   FROM idem.keys WHERE key = 'e-long';
- same_token | stored_lease | same_window 
-------------+--------------+-------------
- t          | t            | t
-(1 row)
-
 -- Past the old lease it is still in flight; past the new one it is taken over.
 SET idem.clock_offset = '1 min';
 SELECT claimed, state, token FROM idem_begin('e-long', 'fp');
- claimed |   state    | token 
----------+------------+-------
- f       | PROCESSING |      
-(1 row)
-
 -- A late heartbeat (lease over, nobody took over yet) still works; without
 -- a lease, idem.default_lease (60 s) applies.
 SET idem.clock_offset = '3 min';
@@ -219,81 +85,28 @@ SELECT idem_extend('e-long', :tok, NULL) AS lease3 \gset
 SELECT clock_timestamp() AS t1 \gset
 SELECT :'lease3'::timestamptz BETWEEN :'t0'::timestamptz + interval '4 minutes'
                                  AND :'t1'::timestamptz + interval '4 minutes' AS default_lease;
- default_lease 
----------------
- t
-(1 row)
-
 SET idem.clock_offset = '5 min';
 SELECT claimed, state, token > :tok AS greater_token FROM idem_begin('e-long', 'fp');
- claimed |   state    | greater_token 
----------+------------+---------------
- t       | PROCESSING | t
-(1 row)
 
 -- A lease extended past the end of the window moves the window with it.
 SELECT token AS tok FROM idem_begin('e-window', 'fp', lease => '10 seconds', retention => '1 minute') \gset
 SELECT idem_extend('e-window', :tok, '5 minutes') AS lease2 \gset
 SELECT expires_at = :'lease2' AS window_covers_lease FROM idem.keys WHERE key = 'e-window';
- window_covers_lease 
----------------------
- t
-(1 row)
-
 SET idem.clock_offset = '4 min';
 SELECT claimed, state FROM idem_begin('e-window', 'fp');
- claimed |   state    
----------+------------
- f       | PROCESSING
-(1 row)
-
 RESET idem.clock_offset;
+
 -- Inside the claiming transaction the token may be NULL.
 BEGIN;
 SELECT claimed FROM idem_begin('e-txn', 'fp', lease => '10 seconds');
- claimed 
----------
- t
-(1 row)
-
 SELECT idem_extend('e-txn', NULL, '10 minutes') AS lease2 \gset
 SELECT lease_until = :'lease2' AS stored_lease FROM idem.keys WHERE key = 'e-txn';
- stored_lease 
---------------
- t
-(1 row)
-
 COMMIT;
 SELECT key_row('', 'e-txn') AS row0 \gset
 -- Outside it, a NULL token is refused: ID003.
 SELECT try($$SELECT idem_extend('e-txn', NULL, '1 hour')$$);
-                                try                                
--------------------------------------------------------------------
- ID003: idempotency key "e-txn" is not claimed by this transaction
-(1 row)
-
 -- A missing key has no claim to extend: ID003.
 SELECT try($$SELECT idem_extend('e-missing', 1, '1 minute')$$);
-                         try                          
-------------------------------------------------------
- ID003: idempotency key "e-missing" has no live claim
-(1 row)
-
 SELECT try($$SELECT idem_extend('e-txn', 1, '1 minute', scope => 'elsewhere')$$);
-                       try                        
---------------------------------------------------
- ID003: idempotency key "e-txn" has no live claim
-(1 row)
-
 SELECT count(*) FROM idem.keys WHERE key = 'e-missing' OR scope = 'elsewhere';
- count 
--------
-     0
-(1 row)
-
 SELECT key_row('', 'e-txn') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-

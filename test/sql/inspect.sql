@@ -3,7 +3,7 @@
 -- stored for a key (state, token, status, times, body size), never the
 -- body.  Scopes are separate key spaces: the same key and fingerprint in
 -- two scopes never see each other's claim or response.  Uses try(),
--- keys_digest() and key_row() from begin.sql.
+-- keys_digest() and key_row() from setup.sql.
 --
 
 -- A claim in flight, a completed key, a key completed with a NULL body and

@@ -1,7 +1,8 @@
 --
 -- search_path safety and privileges (README, "Security").  Uses try() and
--- key_row() from begin.sql.
+-- key_row() from setup.sql.
 --
+
 --
 -- search_path: a hostile role puts look-alikes of what idem's statements
 -- use (operators on text, bytea, bigint, timestamptz and tid, the clock,
@@ -20,6 +21,7 @@ CREATE TABLE regress_hostile.ran (what text, by_role name DEFAULT current_user);
 GRANT INSERT, SELECT ON regress_hostile.ran TO PUBLIC;
 CREATE FUNCTION regress_hostile.note(what text) RETURNS void LANGUAGE sql
   AS $$ INSERT INTO regress_hostile.ran (what) VALUES (what) $$;
+
 CREATE FUNCTION regress_hostile.eq(a text, b text) RETURNS boolean LANGUAGE plpgsql
   AS $$ BEGIN PERFORM regress_hostile.note('text = text'); RETURN true; END $$;
 CREATE OPERATOR regress_hostile.= (LEFTARG = text, RIGHTARG = text, FUNCTION = regress_hostile.eq);
@@ -68,32 +70,20 @@ GRANT ALL ON regress_hostile.keys, regress_hostile.token_seq TO PUBLIC;
 RESET ROLE;
 CREATE TEMP TABLE keys (LIKE idem.keys);
 CREATE TEMP SEQUENCE token_seq START 2000000000000;
+
 -- The look-alikes work: unqualified SQL under this search_path runs them.
 SET search_path = regress_hostile, pg_catalog, public;
 SELECT 'a'::text = 'b'::text AS text_eq, '\x01'::bytea = '\x02'::bytea AS bytea_eq,
        clock_timestamp() AS clock, nextval('token_seq') AS nextval,
        sha256('x') AS sha256, octet_length('\x0102'::bytea) AS octet_length;
- text_eq | bytea_eq |            clock             | nextval | sha256 | octet_length 
----------+----------+------------------------------+---------+--------+--------------
- t       | t        | Sat Jan 01 00:00:00 2000 PST |       1 | \x00   |           -1
-(1 row)
-
 SELECT what FROM ran ORDER BY what COLLATE "C";
-      what       
------------------
- bytea = bytea
- clock_timestamp
- nextval(text)
- octet_length
- sha256
- text = text
-(6 rows)
-
 RESET search_path;
 TRUNCATE regress_hostile.ran;
+
 -- The key table's last token, and the clock, before the calls.
 SELECT last_value AS tok0 FROM idem.token_seq \gset
 SELECT clock_timestamp() AS t0 \gset
+
 -- idem under the hostile search_path: a claim, the same key in another
 -- scope, in flight, a conflict, extend, complete, replay, lookup, the
 -- views, release, and purge of a key whose window is over.
@@ -124,73 +114,35 @@ RESET idem.clock_offset;
 SELECT idem_purge() AS purged \gset
 RESET search_path;
 SELECT clock_timestamp() AS t1 \gset
+
 -- Nothing hostile ran, and every answer is the right one.
 SELECT count(*) AS hostile_calls FROM regress_hostile.ran;
- hostile_calls 
----------------
-             0
-(1 row)
-
 SELECT :'h_claimed' AS claimed, :'h_state' AS state, :h_tok > :tok0 AS token_from_idem_seq,
        :'h_lease'::timestamptz BETWEEN :'t0'::timestamptz + interval '1 minute'
                                    AND :'t1'::timestamptz + interval '1 minute' AS lease_from_clock,
        :'h_exp'::timestamptz - :'h_lease'::timestamptz AS retention_minus_lease;
- claimed |   state    | token_from_idem_seq | lease_from_clock | retention_minus_lease 
----------+------------+---------------------+------------------+-----------------------
- t       | PROCESSING | t                   | t                | @ 59 mins
-(1 row)
-
 SELECT :'h2_claimed' AS other_scope_claimed, :h2_tok > :h_tok AS other_scope_token,
        :'fl_claimed' AS in_flight_claimed, :'fl_state' AS in_flight_state,
        :'fl_no_token' AS in_flight_no_token, :'cf_claimed' AS conflict_claimed,
        :'cf_state' AS conflict_state;
- other_scope_claimed | other_scope_token | in_flight_claimed | in_flight_state | in_flight_no_token | conflict_claimed | conflict_state 
----------------------+-------------------+-------------------+-----------------+--------------------+------------------+----------------
- t                   | t                 | f                 | PROCESSING      | t                  | f                | CONFLICT
-(1 row)
-
 SELECT :'h_extended'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 minutes'
                                       AND :'t1'::timestamptz + interval '2 minutes' AS extended,
        :'h_done_exp'::timestamptz = :'h_exp'::timestamptz AS completed_window;
- extended | completed_window 
-----------+------------------
- t        | t
-(1 row)
-
 SELECT :'rp_claimed' AS replay_claimed, :'rp_state' AS replay_state, :rp_status AS replay_status,
        convert_from(:'rp_body'::bytea, 'UTF8') AS replay_body,
        :'lk_state' AS lookup_state, :lk_token = :h_tok AS lookup_token, :lk_size AS lookup_size,
        :'vw_state' AS view_state, :vw_size AS view_size, :'stats_named' AS stats_named;
- replay_claimed | replay_state | replay_status | replay_body  | lookup_state | lookup_token | lookup_size | view_state | view_size | stats_named 
-----------------+--------------+---------------+--------------+--------------+--------------+-------------+------------+-----------+-------------
- f              | DONE         |           201 | right answer | DONE         | t            |          12 | DONE       |        12 | t
-(1 row)
-
 SELECT :'h2_released' AS released, :'old_claimed' AS old_claimed, :purged >= 1 AS purged;
- released | old_claimed | purged 
-----------+-------------+--------
- t        | t           | t
-(1 row)
-
 -- The rows as stored: the real fingerprint digest, the real token; the
 -- expired key is purged, the released one gone; the hostile tables are
 -- untouched.
 SELECT scope, key, fingerprint = sha256('fp'::bytea) AS digest_of_fp, token = :h_tok AS same_token,
        status, convert_from(body, 'UTF8') AS body
   FROM idem.keys WHERE scope IN ('h', 'h2') ORDER BY scope, key;
- scope |  key  | digest_of_fp | same_token | status |     body     
--------+-------+--------------+------------+--------+--------------
- h     | h-key | t            | t          |    201 | right answer
-(1 row)
-
 SELECT (SELECT count(*) FROM regress_hostile.keys) AS hostile_keys,
        (SELECT count(*) FROM pg_temp.keys) AS temp_keys,
        (SELECT is_called FROM regress_hostile.token_seq) AS hostile_seq_used,
        (SELECT is_called FROM pg_temp.token_seq) AS temp_seq_used;
- hostile_keys | temp_keys | hostile_seq_used | temp_seq_used 
---------------+-----------+------------------+---------------
-            0 |         0 | f                | f
-(1 row)
 
 -- The hostile role itself, with EXECUTE granted and its schema first on
 -- its own search_path: the same.
@@ -207,59 +159,18 @@ SELECT state AS hr_cf_state FROM idem_begin('h-role', 'other', scope => 'h') \gs
 RESET search_path;
 RESET ROLE;
 SELECT count(*) AS hostile_calls FROM regress_hostile.ran;
- hostile_calls 
----------------
-             0
-(1 row)
-
 SELECT :'hr_claimed' AS claimed, :hr_tok > :h2_tok AS token_from_idem_seq, :'hr_completed' AS completed,
        :'hr_state' AS state, :hr_status AS status, convert_from(:'hr_body'::bytea, 'UTF8') AS body,
        :'hr_cf_state' AS other_fingerprint;
- claimed | token_from_idem_seq | completed | state | status |    body     | other_fingerprint 
----------+---------------------+-----------+-------+--------+-------------+-------------------
- t       | t                   | t         | DONE  |    200 | role answer | CONFLICT
-(1 row)
-
 SELECT key, fingerprint = sha256('fp'::bytea) AS digest_of_fp, status FROM idem.keys
  WHERE scope = 'h' AND key = 'h-role';
-  key   | digest_of_fp | status 
---------+--------------+--------
- h-role | t            |    200
-(1 row)
 
 DROP TABLE pg_temp.keys;
 DROP SEQUENCE pg_temp.token_seq;
 DROP SCHEMA regress_hostile CASCADE;
-NOTICE:  drop cascades to 27 other objects
-DETAIL:  drop cascades to table regress_hostile.ran
-drop cascades to function regress_hostile.note(text)
-drop cascades to function regress_hostile.eq(text,text)
-drop cascades to operator regress_hostile.=(text,text)
-drop cascades to function regress_hostile.eq(bytea,bytea)
-drop cascades to operator regress_hostile.=(bytea,bytea)
-drop cascades to function regress_hostile.eq(bigint,bigint)
-drop cascades to operator regress_hostile.=(bigint,bigint)
-drop cascades to function regress_hostile.eq(tid,tid)
-drop cascades to operator regress_hostile.=(tid,tid)
-drop cascades to function regress_hostile.gt(timestamp with time zone,timestamp with time zone)
-drop cascades to operator regress_hostile.>(timestamp with time zone,timestamp with time zone)
-drop cascades to function regress_hostile.le(timestamp with time zone,timestamp with time zone)
-drop cascades to operator regress_hostile.<=(timestamp with time zone,timestamp with time zone)
-drop cascades to function regress_hostile.clock_timestamp()
-drop cascades to function regress_hostile.now()
-drop cascades to function regress_hostile.nextval(regclass)
-drop cascades to function regress_hostile.nextval(text)
-drop cascades to function regress_hostile.sha256(bytea)
-drop cascades to function regress_hostile.digest(text,text)
-drop cascades to function regress_hostile.digest(bytea,text)
-drop cascades to function regress_hostile."greatest"(timestamp with time zone,timestamp with time zone)
-drop cascades to function regress_hostile.octet_length(bytea)
-drop cascades to function regress_hostile.count_step(bigint)
-drop cascades to function regress_hostile.count()
-drop cascades to table regress_hostile.keys
-drop cascades to sequence regress_hostile.token_seq
 DROP OWNED BY regress_idem_hostile;
 DROP ROLE regress_idem_hostile;
+
 --
 -- Privileges.  PUBLIC has none on any object of the extension.
 --
@@ -279,22 +190,6 @@ SELECT pg_describe_object(d.classid, d.objid, 0) AS object,
   JOIN pg_extension e ON e.oid = d.refobjid AND e.extname = 'idem'
  WHERE d.deptype = 'e' AND d.classid <> 'pg_type'::regclass
  ORDER BY 1;
-                                object                                | public_has_any 
-----------------------------------------------------------------------+----------------
- function idem_begin(text,text,interval,interval,text,boolean)        | f
- function idem_complete(text,text,integer,bytea,bigint,interval,text) | f
- function idem_extend(text,bigint,interval,text)                      | f
- function idem_lookup(text,text)                                      | f
- function idem_purge(integer)                                         | f
- function idem_release(text,bigint,text)                              | f
- function idem_stats()                                                | f
- function idem_stats_reset()                                          | f
- schema idem                                                          | f
- sequence idem.token_seq                                              | f
- table idem.keys                                                      | f
- view idem_keys                                                       | f
- view idem_stats                                                      | f
-(13 rows)
 
 -- Roles: an application role the owner granted the four claim functions
 -- with grant option; a role that application role passed two of them on
@@ -317,15 +212,11 @@ GRANT EXECUTE ON FUNCTION
   TO regress_idem_sec_sub;
 -- It cannot pass on what it was not granted.
 SELECT try($$GRANT EXECUTE ON FUNCTION idem_purge(integer) TO regress_idem_sec_sub$$);
-                       try                        
---------------------------------------------------
- 42501: permission denied for function idem_purge
-(1 row)
-
 RESET ROLE;
 GRANT EXECUTE ON FUNCTION idem_purge(integer), idem_lookup(text, text), idem_stats()
   TO regress_idem_sec_ops;
 GRANT SELECT ON idem_keys, idem_stats TO regress_idem_sec_ops;
+
 -- Who may do what: 'ok' or the SQLSTATE.  Each call runs as the role in a
 -- subtransaction that is rolled back, so nothing it stores stays (the
 -- owner's idem_stats_reset does reset the counters: they are not
@@ -348,11 +239,6 @@ BEGIN
 END $$;
 SELECT token AS tok FROM idem_begin('s-live', 'fp', lease => '10 minutes') \gset
 SELECT set_config('test.tok', :'tok', false) IS NOT NULL AS token_set;
- token_set 
------------
- t
-(1 row)
-
 SELECT key_row('', 's-live') AS row0 \gset
 SELECT q AS call,
        try_as(current_user, q) AS owner,
@@ -378,59 +264,14 @@ SELECT q AS call,
     ($$SET idem.max_retention = '100d'$$),
     ($$SET idem.max_key_length = 1024$$)
   ) t(q);
-                                        call                                         | owner |  app  |  sub  |  ops  | none  
--------------------------------------------------------------------------------------+-------+-------+-------+-------+-------
- SELECT idem_begin('s-new', 'fp')                                                    | ok    | ok    | ok    | 42501 | 42501
- SELECT idem_complete('s-live', 'fp', 200, 'x', current_setting('test.tok')::bigint) | ok    | ok    | ok    | 42501 | 42501
- SELECT idem_extend('s-live', current_setting('test.tok')::bigint, '1 minute')       | ok    | ok    | 42501 | 42501 | 42501
- SELECT idem_release('s-live', current_setting('test.tok')::bigint)                  | ok    | ok    | 42501 | 42501 | 42501
- SELECT idem_lookup('s-live')                                                        | ok    | 42501 | 42501 | ok    | 42501
- SELECT * FROM idem_keys                                                             | ok    | 42501 | 42501 | ok    | 42501
- SELECT idem_purge(0)                                                                | ok    | 42501 | 42501 | ok    | 42501
- SELECT * FROM idem_stats                                                            | ok    | 42501 | 42501 | ok    | 42501
- SELECT idem_stats()                                                                 | ok    | 42501 | 42501 | ok    | 42501
- SELECT idem_stats_reset()                                                           | ok    | 42501 | 42501 | 42501 | 42501
- SELECT * FROM idem.keys                                                             | ok    | 42501 | 42501 | 42501 | 42501
- SELECT nextval('idem.token_seq')                                                    | ok    | 42501 | 42501 | 42501 | 42501
- SET idem.clock_offset = '1h'                                                        | ok    | 42501 | 42501 | 42501 | 42501
- SET idem.max_body_size = '200MB'                                                    | ok    | 42501 | 42501 | 42501 | 42501
- SET idem.max_retention = '100d'                                                     | ok    | 42501 | 42501 | 42501 | 42501
- SET idem.max_key_length = 1024                                                      | ok    | 42501 | 42501 | 42501 | 42501
-(16 rows)
-
 SELECT key_row('', 's-live') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 -- A role without the grant gets 42501 and a message naming the function.
 SET ROLE regress_idem_sec_none;
 SELECT try($$SELECT idem_begin('s-none', 'fp')$$);
-                       try                        
---------------------------------------------------
- 42501: permission denied for function idem_begin
-(1 row)
-
 SELECT try($$SELECT idem_lookup('s-live')$$);
-                        try                        
----------------------------------------------------
- 42501: permission denied for function idem_lookup
-(1 row)
-
 SELECT try($$SELECT * FROM idem_keys$$);
-                     try                     
----------------------------------------------
- 42501: permission denied for view idem_keys
-(1 row)
-
 RESET ROLE;
 SELECT count(*) AS none_stored FROM idem.keys WHERE key = 's-none';
- none_stored 
--------------
-           0
-(1 row)
-
 -- The grants as catalogued.
 SELECT r AS role, f AS function,
        has_function_privilege(r, f, 'EXECUTE') AS execute,
@@ -440,15 +281,6 @@ SELECT r AS role, f AS function,
                     'idem_release(text,bigint,text)',
                     'idem_purge(integer)']) f
  ORDER BY 1, 2;
-         role         |                       function                       | execute | grantable 
-----------------------+------------------------------------------------------+---------+-----------
- regress_idem_sec_app | idem_begin(text,text,interval,interval,text,boolean) | t       | t
- regress_idem_sec_app | idem_purge(integer)                                  | f       | f
- regress_idem_sec_app | idem_release(text,bigint,text)                       | t       | t
- regress_idem_sec_sub | idem_begin(text,text,interval,interval,text,boolean) | t       | f
- regress_idem_sec_sub | idem_purge(integer)                                  | f       | f
- regress_idem_sec_sub | idem_release(text,bigint,text)                       | f       | f
-(6 rows)
 
 -- An overload with varchar parameters in the extension's own schema (here
 -- created by a superuser; any role with CREATE on that schema could) wins
@@ -459,19 +291,10 @@ CREATE FUNCTION public.idem_begin(key varchar, fingerprint varchar,
                                   scope text DEFAULT '', wait boolean DEFAULT true)
 RETURNS TABLE (claimed boolean, state text) LANGUAGE sql AS $$ SELECT true, 'CAPTURED' $$;
 SELECT state AS varchar_call FROM public.idem_begin('s-ovl'::varchar, 'fp'::varchar);
- varchar_call 
---------------
- CAPTURED
-(1 row)
-
 SELECT state AS exact_call
   FROM public.idem_begin('s-ovl'::text, 'fp'::text, NULL::interval, NULL::interval, ''::text, true::boolean);
- exact_call 
-------------
- PROCESSING
-(1 row)
-
 DROP FUNCTION public.idem_begin(varchar, varchar, interval, interval, text, boolean);
+
 DROP FUNCTION try_as(name, text);
 DROP OWNED BY regress_idem_sec_sub, regress_idem_sec_app, regress_idem_sec_ops;
 DROP ROLE regress_idem_sec_app, regress_idem_sec_sub, regress_idem_sec_ops, regress_idem_sec_none;

@@ -1,7 +1,8 @@
 --
 -- idem_complete: store the response of a claim.  Uses try(), key_row()
--- from begin.sql.
+-- from setup.sql.
 --
+
 -- With the token: DONE, the response stored, the lease cleared and
 -- expires_at = now + retention, returned.
 CREATE TEMP TABLE c1 AS SELECT * FROM idem_begin('c-token', 'fp', lease => '30 seconds');
@@ -11,26 +12,12 @@ SELECT idem_complete('c-token', 'fp', 200, 'ok', :tok, retention => '3 hours') A
 SELECT clock_timestamp() AS t1 \gset
 SELECT :'exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '3 hours'
                               AND :'t1'::timestamptz + interval '3 hours' AS exp_from_now;
- exp_from_now 
---------------
- t
-(1 row)
-
 SELECT token = :tok AS same_token, status, convert_from(body, 'UTF8') AS body,
        lease_until, expires_at = :'exp' AS returned_expiry
   FROM idem.keys WHERE key = 'c-token';
- same_token | status | body | lease_until | returned_expiry 
-------------+--------+------+-------------+-----------------
- t          |    200 | ok   |             | t
-(1 row)
-
 SELECT claimed, state, status, convert_from(body, 'UTF8') AS body,
        expires_at = :'exp' AS same_expiry
   FROM idem_begin('c-token', 'fp');
- claimed | state | status | body | same_expiry 
----------+-------+--------+------+-------------
- f       | DONE  |    200 | ok   | t
-(1 row)
 
 -- Without retention, completing keeps the window the claim was given (here
 -- 1 hour, not idem.default_retention's 24 hours).  A retention given to
@@ -39,18 +26,8 @@ SELECT claimed, state, status, convert_from(body, 'UTF8') AS body,
 SELECT token AS tok, expires_at AS claim_exp
   FROM idem_begin('c-later', 'fp', lease => '30 seconds', retention => '1 hour') \gset
 SELECT idem_complete('c-later', 'fp', 200, 'ok', :tok) = :'claim_exp'::timestamptz AS claim_window_kept;
- claim_window_kept 
--------------------
- t
-(1 row)
-
 SELECT expires_at = :'claim_exp'::timestamptz AS stored_window_kept
   FROM idem.keys WHERE key = 'c-later';
- stored_window_kept 
---------------------
- t
-(1 row)
-
 SELECT token AS tok FROM idem_begin('c-later-2', 'fp', lease => '30 seconds', retention => '1 hour') \gset
 SET idem.clock_offset = '20s';
 SELECT clock_timestamp() AS t0 \gset
@@ -59,168 +36,63 @@ SELECT clock_timestamp() AS t1 \gset
 RESET idem.clock_offset;
 SELECT :'exp'::timestamptz BETWEEN :'t0'::timestamptz + interval '2 hours 20 seconds'
                               AND :'t1'::timestamptz + interval '2 hours 20 seconds' AS exp_from_offset_now;
- exp_from_offset_now 
----------------------
- t
-(1 row)
 
 -- Inside the claiming transaction the token may be NULL.
 BEGIN;
 SELECT claimed, state FROM idem_begin('c-nulltoken', 'fp');
- claimed |   state    
----------+------------
- t       | PROCESSING
-(1 row)
-
 SELECT idem_complete('c-nulltoken', 'fp', 201, 'made') IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 -- Repeating it there (a retry) returns the same expiry.
 SELECT expires_at AS exp FROM idem.keys WHERE key = 'c-nulltoken' \gset
 SELECT idem_complete('c-nulltoken', 'fp', 201, 'made') = :'exp' AS same_expiry;
- same_expiry 
--------------
- t
-(1 row)
-
 COMMIT;
 SELECT claimed, state, status, convert_from(body, 'UTF8') AS body
   FROM idem_begin('c-nulltoken', 'fp');
- claimed | state | status | body 
----------+-------+--------+------
- f       | DONE  |    201 | made
-(1 row)
 
 -- Also in a later transaction that took the key over after its lease.
 SELECT claimed FROM idem_begin('c-nulltoken-2', 'fp', lease => '10 seconds');
- claimed 
----------
- t
-(1 row)
-
 BEGIN;
 SET LOCAL idem.clock_offset = '11s';
 SELECT claimed, state FROM idem_begin('c-nulltoken-2', 'fp');
- claimed |   state    
----------+------------
- t       | PROCESSING
-(1 row)
-
 SELECT idem_complete('c-nulltoken-2', 'fp', 200, 'ok') IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 COMMIT;
 SELECT state, status FROM idem_begin('c-nulltoken-2', 'fp');
- state | status 
--------+--------
- DONE  |    200
-(1 row)
 
 -- A NULL body is a response too.
 SELECT token AS tok FROM idem_begin('c-nullbody', 'fp') \gset
 SELECT idem_complete('c-nullbody', 'fp', 204, NULL, :tok) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SELECT status, body IS NULL AS null_body FROM idem.keys WHERE key = 'c-nullbody';
- status | null_body 
---------+-----------
-    204 | t
-(1 row)
 
 -- A holder whose lease ran out but whom nobody took over still holds the
 -- key and may complete it.
 SELECT token AS tok FROM idem_begin('c-late', 'fp', lease => '10 seconds') \gset
 SET idem.clock_offset = '1 min';
 SELECT idem_complete('c-late', 'fp', 200, 'late', :tok) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SELECT state, status FROM idem_begin('c-late', 'fp');
- state | status 
--------+--------
- DONE  |    200
-(1 row)
-
 RESET idem.clock_offset;
+
 --
 -- Errors.  After each the stored row is unchanged.
 --
 SELECT token AS tok FROM idem_begin('c-err', 'fp', lease => '10 seconds', retention => '1 hour') \gset
 SELECT key_row('', 'c-err') AS row0 \gset
+
 -- Wrong fingerprint: ID001.
 SELECT try($$SELECT idem_complete('c-err', 'other', 200, 'x', $$ || :tok || $$)$$);
-                                   try                                   
--------------------------------------------------------------------------
- ID001: idempotency key "c-err" was claimed with a different fingerprint
-(1 row)
-
 SELECT try($$SELECT idem_complete('c-err', 'other', 200, 'x')$$);
-                                try                                
--------------------------------------------------------------------
- ID003: idempotency key "c-err" is not claimed by this transaction
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- NULL token outside the claiming transaction: ID003.
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'x')$$);
-                                try                                
--------------------------------------------------------------------
- ID003: idempotency key "c-err" is not claimed by this transaction
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- A token that never held this key: ID002.
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'x', $$ || (:tok - 1) || $$)$$);
-                           try                           
----------------------------------------------------------
- ID002: idempotency key "c-err" is held by a newer claim
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- Missing key, or the right key in another scope: ID003.
 SELECT try($$SELECT idem_complete('c-missing', 'fp', 200, 'x', $$ || :tok || $$)$$);
-                         try                          
-------------------------------------------------------
- ID003: idempotency key "c-missing" has no live claim
-(1 row)
-
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'x', $$ || :tok || $$, scope => 'elsewhere')$$);
-                       try                        
---------------------------------------------------
- ID003: idempotency key "c-err" has no live claim
-(1 row)
-
 SELECT count(*) FROM idem.keys WHERE key = 'c-missing' OR scope = 'elsewhere';
- count 
--------
-     0
-(1 row)
 
 -- Superseded: the lease ran out and another caller took the key over.  The
 -- old holder's complete is refused with ID002, before and after the new
@@ -229,124 +101,42 @@ SET idem.clock_offset = '11s';
 SELECT claimed, state, token > :tok AS greater_token, token AS tok2
   FROM idem_begin('c-err', 'fp', lease => '10 seconds') \gset
 \echo :claimed :state :greater_token
-t PROCESSING t
 SELECT key_row('', 'c-err') AS row1 \gset
 SELECT try($$SELECT idem_complete('c-err', 'fp', 500, 'stale', $$ || :tok || $$)$$);
-                           try                           
----------------------------------------------------------
- ID002: idempotency key "c-err" is held by a newer claim
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row1' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 SELECT idem_complete('c-err', 'fp', 200, 'fresh', :tok2) IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SELECT key_row('', 'c-err') AS row2 \gset
 SELECT try($$SELECT idem_complete('c-err', 'fp', 500, 'stale', $$ || :tok || $$)$$);
-                           try                           
----------------------------------------------------------
- ID002: idempotency key "c-err" is held by a newer claim
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row2' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- Repeating the complete with the same token and response succeeds and
 -- returns the stored expires_at, even later and with another retention.
 SELECT expires_at AS exp2 FROM idem.keys WHERE key = 'c-err' \gset
 SET idem.clock_offset = '1 min';
 SELECT idem_complete('c-err', 'fp', 200, 'fresh', :tok2, retention => '2 hours') = :'exp2' AS stored_expiry;
- stored_expiry 
----------------
- t
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row2' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- A different response with the current token: ID004.
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'other body', $$ || :tok2 || $$)$$);
-                                      try                                      
--------------------------------------------------------------------------------
- ID004: idempotency key "c-err" is already completed with a different response
-(1 row)
-
 SELECT try($$SELECT idem_complete('c-err', 'fp', 201, 'fresh', $$ || :tok2 || $$)$$);
-                                      try                                      
--------------------------------------------------------------------------------
- ID004: idempotency key "c-err" is already completed with a different response
-(1 row)
-
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, NULL, $$ || :tok2 || $$)$$);
-                                      try                                      
--------------------------------------------------------------------------------
- ID004: idempotency key "c-err" is already completed with a different response
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row2' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 -- ... and a wrong fingerprint on the done key is still ID001.
 SELECT try($$SELECT idem_complete('c-err', 'other', 200, 'fresh', $$ || :tok2 || $$)$$);
-                                   try                                   
--------------------------------------------------------------------------
- ID001: idempotency key "c-err" was claimed with a different fingerprint
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row2' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- Expired: once the retention window (24 h from the completion) is over
 -- the key has no claim: ID003, even for the last holder repeating its
 -- response.
 SET idem.clock_offset = '25h';
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'fresh', $$ || :tok2 || $$)$$);
-                       try                        
---------------------------------------------------
- ID003: idempotency key "c-err" has no live claim
-(1 row)
-
 SELECT key_row('', 'c-err') = :'row2' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 RESET idem.clock_offset;
+
 -- A claim that expired while still PROCESSING cannot be completed either.
 SELECT token AS tok FROM idem_begin('c-expired', 'fp', lease => '10 seconds', retention => '1 hour') \gset
 SELECT key_row('', 'c-expired') AS row0 \gset
 SET idem.clock_offset = '1h';
 SELECT try($$SELECT idem_complete('c-expired', 'fp', 200, 'x', $$ || :tok || $$)$$);
-                         try                          
-------------------------------------------------------
- ID003: idempotency key "c-expired" has no live claim
-(1 row)
-
 SELECT key_row('', 'c-expired') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
-
 RESET idem.clock_offset;

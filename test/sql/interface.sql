@@ -1,6 +1,6 @@
 --
 -- The SQL interface as installed, and who may touch what.  Uses try()
--- from begin.sql.
+-- from setup.sql.
 --
 
 -- Functions are created unqualified, in the extension's schema; none is

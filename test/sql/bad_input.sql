@@ -2,7 +2,7 @@
 -- Bad arguments: each is an error with its SQLSTATE and a message naming
 -- the argument, and nothing stored changes.  The functions are not STRICT,
 -- so a NULL is an error, never a silent NULL result.  Uses try(),
--- keys_digest(), key_row() from begin.sql.
+-- keys_digest(), key_row() from setup.sql.
 --
 
 -- A live claim the calls below aim at with otherwise good arguments.

@@ -1,6 +1,6 @@
 --
 -- Settings: defaults, bounds, who may set them, and their effect.  Uses
--- try(), keys_digest() from begin.sql.
+-- try(), keys_digest() from setup.sql.
 --
 
 -- Defaults.

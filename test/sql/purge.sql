@@ -1,7 +1,7 @@
 --
 -- idem_purge deletes keys whose retention window is over, at most max_rows,
 -- and returns how many it deleted.  Uses try(), keys_digest() from
--- begin.sql.
+-- setup.sql.
 --
 
 -- Start from an empty key table, so the counts below are this file's.

@@ -1,24 +1,17 @@
 --
 -- Lease takeover and the end of the retention window, with time moved by
--- idem.clock_offset.  Uses try(), key_row() from begin.sql.
+-- idem.clock_offset.  Uses try(), key_row() from setup.sql.
 --
+
 -- A claim that is never completed (the holder crashed).
 CREATE TEMP TABLE l1 AS
   SELECT * FROM idem_begin('l-crash', 'fp', lease => '1 minute', retention => '1 hour');
 SELECT token AS tok1, expires_at AS exp1 FROM l1 \gset
+
 -- Inside the lease it is in flight.
 SET idem.clock_offset = '30s';
 SELECT claimed, state, token FROM idem_begin('l-crash', 'fp');
- claimed |   state    | token 
----------+------------+-------
- f       | PROCESSING |      
-(1 row)
-
 SELECT token = :tok1 AS unchanged_token FROM idem.keys WHERE key = 'l-crash';
- unchanged_token 
------------------
- t
-(1 row)
 
 -- After the lease another caller takes it over: claimed, with a token
 -- greater than the old one and a fresh lease from now.  The retention
@@ -33,58 +26,26 @@ SELECT claimed, state, token > :tok1 AS greater_token, status, body,
                        AND :'t1'::timestamptz + interval '181 seconds' AS lease_from_now,
        expires_at = :'exp1' AS same_window
   FROM l2;
- claimed |   state    | greater_token | status | body | lease_from_now | same_window 
----------+------------+---------------+--------+------+----------------+-------------
- t       | PROCESSING | t             |        |      | t              | t
-(1 row)
-
 SELECT token AS tok2 FROM l2 \gset
 SELECT token = :tok2 AS stored_token, lease_until = (SELECT lease_until FROM l2) AS stored_lease,
        expires_at = :'exp1' AS same_window
   FROM idem.keys WHERE key = 'l-crash';
- stored_token | stored_lease | same_window 
---------------+--------------+-------------
- t            | t            | t
-(1 row)
 
 -- The new holder's lease protects it in turn ...
 SET idem.clock_offset = '150s';
 SELECT claimed, state, token FROM idem_begin('l-crash', 'fp');
- claimed |   state    | token 
----------+------------+-------
- f       | PROCESSING |      
-(1 row)
-
 -- ... the old holder's token is no longer good ...
 SELECT try($$SELECT idem_complete('l-crash', 'fp', 200, 'x', $$ || :tok1 || $$)$$);
-                            try                            
------------------------------------------------------------
- ID002: idempotency key "l-crash" is held by a newer claim
-(1 row)
-
 -- ... and after the new lease, a third caller takes over with a greater token.
 SET idem.clock_offset = '182s';
 SELECT claimed, state, token > :tok2 AS greater_token FROM idem_begin('l-crash', 'fp');
- claimed |   state    | greater_token 
----------+------------+---------------
- t       | PROCESSING | t
-(1 row)
 
 -- An expired lease does not free the key for another fingerprint: the
 -- window is still open, so it is a conflict.
 SET idem.clock_offset = '5 min';
 SELECT key_row('', 'l-crash') AS row0 \gset
 SELECT claimed, state, token, status, body FROM idem_begin('l-crash', 'other-fp');
- claimed |  state   | token | status | body 
----------+----------+-------+--------+------
- f       | CONFLICT |       |        | 
-(1 row)
-
 SELECT key_row('', 'l-crash') = :'row0' AS unchanged;
- unchanged 
------------
- t
-(1 row)
 
 -- A takeover near the end of the window keeps the whole lease: expires_at
 -- moves to the end of the lease.
@@ -92,10 +53,6 @@ SET idem.clock_offset = '59min';
 SELECT claimed, state, expires_at = lease_until AS window_covers_lease,
        expires_at > :'exp1'::timestamptz AS window_extended
   FROM idem_begin('l-crash', 'fp', lease => '5 minutes');
- claimed |   state    | window_covers_lease | window_extended 
----------+------------+---------------------+-----------------
- t       | PROCESSING | t                   | t
-(1 row)
 
 -- Retention over, never completed: the key is new again.
 SET idem.clock_offset = '2h';
@@ -103,28 +60,14 @@ SELECT max(token) AS tok_max FROM idem.keys \gset
 SELECT claimed, state, token > :tok_max AS greater_token,
        expires_at - lease_until AS retention_minus_lease
   FROM idem_begin('l-crash', 'fp', lease => '10 seconds', retention => '1 hour');
- claimed |   state    | greater_token | retention_minus_lease 
----------+------------+---------------+-----------------------
- t       | PROCESSING | t             | @ 59 mins 50 secs
-(1 row)
-
 RESET idem.clock_offset;
+
 -- Retention over after completion: a new claim, the old response is gone,
 -- and any fingerprint may claim it.
 SELECT token AS tok FROM idem_begin('l-window', 'fp', lease => '10 seconds', retention => '1 hour') \gset
 SELECT idem_complete('l-window', 'fp', 200, 'first', :tok, retention => '1 hour') IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SET idem.clock_offset = '59 min';
 SELECT claimed, state, status, convert_from(body, 'UTF8') AS body FROM idem_begin('l-window', 'fp');
- claimed | state | status | body  
----------+-------+--------+-------
- f       | DONE  |    200 | first
-(1 row)
-
 SET idem.clock_offset = '61 min';
 SELECT clock_timestamp() AS t0 \gset
 CREATE TEMP TABLE l3 AS
@@ -135,52 +78,18 @@ SELECT claimed, state, token > :tok AS greater_token, status, body,
                       AND :'t1'::timestamptz + interval '2 hours 61 minutes' AS window_from_now,
        expires_at - lease_until AS retention_minus_lease
   FROM l3;
- claimed |   state    | greater_token | status | body | window_from_now |  retention_minus_lease   
----------+------------+---------------+--------+------+-----------------+--------------------------
- t       | PROCESSING | t             |        |      | t               | @ 1 hour 59 mins 45 secs
-(1 row)
-
 SELECT status, body, fingerprint = sha256('new-fp'::bytea) AS new_fp,
        token = (SELECT token FROM l3) AS new_token
   FROM idem.keys WHERE key = 'l-window';
- status | body | new_fp | new_token 
---------+------+--------+-----------
-        |      | t      | t
-(1 row)
-
 -- The old fingerprint now conflicts with the new claim.
 SELECT claimed, state FROM idem_begin('l-window', 'fp');
- claimed |  state   
----------+----------
- f       | CONFLICT
-(1 row)
-
 RESET idem.clock_offset;
+
 -- Tokens stay greater across purge and re-creation of the key.
 SELECT token AS tok FROM idem_begin('l-purged', 'fp', lease => '10 seconds', retention => '1 hour') \gset
 SELECT idem_complete('l-purged', 'fp', 200, 'x', :tok, retention => '1 hour') IS NOT NULL AS completed;
- completed 
------------
- t
-(1 row)
-
 SET idem.clock_offset = '2h';
 SELECT idem_purge() > 0 AS purged;
- purged 
---------
- t
-(1 row)
-
 SELECT count(*) AS rows_left FROM idem.keys WHERE key = 'l-purged';
- rows_left 
------------
-         0
-(1 row)
-
 SELECT claimed, state, token > :tok AS greater_token FROM idem_begin('l-purged', 'fp');
- claimed |   state    | greater_token 
----------+------------+---------------
- t       | PROCESSING | t
-(1 row)
-
 RESET idem.clock_offset;
