@@ -38,6 +38,8 @@ PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
 ifneq ($(PGXS),)
 include $(PGXS)
+# The TAP suites' shared cluster set-up (test/perl/IdemTest.pm).
+PROVE_FLAGS += -I test/perl
 # The client guard library (guard/) and the programs built on it.
 all: guard-all
 install: install-guard

@@ -4,12 +4,10 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('plain');
-$node->init;
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
+my $node = idem_node('plain', preload => 0);
 
 is($node->safe_psql('postgres',
 		"SELECT claimed, state FROM idem_begin('k', 'f')"),

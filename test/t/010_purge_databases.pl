@@ -6,15 +6,12 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('purge');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('purge', conf => qq{
 idem.purge_naptime = 1
-});
-$node->start;
+}, extension => []);
 my $log_start = -s $node->logfile;
 
 # Created first, so a pass visits it before the databases with idem.

@@ -5,17 +5,13 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('concurrency');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('concurrency', conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
 
 sub set_purge
 {

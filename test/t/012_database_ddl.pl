@@ -6,19 +6,16 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 use IPC::Run;
 
-my $node = PostgreSQL::Test::Cluster->new('ddl');
-$node->init;
 # Small batches, so that purging a database takes several transactions.
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('ddl', conf => qq{
 idem.purge_naptime = 1
 idem.purge_batch_size = 20
 log_min_messages = debug1
-});
-$node->start;
+}, extension => []);
 
 for my $db (qw(app other))
 {

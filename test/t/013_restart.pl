@@ -6,17 +6,13 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('restart');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('restart', conf => qq{
 idem.purge_naptime = 1
 restart_after_crash = on
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
 
 my $launcher_sql =
   "SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'";

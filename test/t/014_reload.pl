@@ -5,18 +5,14 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('reload');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('reload', conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
 log_min_messages = debug1
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
 my $start = 0;
 my $launcher_sql =
   "SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'";

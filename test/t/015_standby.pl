@@ -7,18 +7,14 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $primary = PostgreSQL::Test::Cluster->new('primary');
-$primary->init(allows_streaming => 1);
 # Purge is off on the primary, so that expired keys reach the standby.
-$primary->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $primary = idem_node('primary', init => { allows_streaming => 1 }, conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
 });
-$primary->start;
-$primary->safe_psql('postgres', 'CREATE EXTENSION idem');
 $primary->backup('backup');
 
 my $standby = PostgreSQL::Test::Cluster->new('standby');

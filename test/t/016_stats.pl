@@ -6,15 +6,12 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('stats');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('stats', conf => qq{
 idem.purge_naptime = 1
-});
-$node->start;
+}, extension => []);
 $node->safe_psql('postgres', 'CREATE DATABASE other');
 $node->safe_psql($_, 'CREATE EXTENSION idem') for qw(postgres other);
 

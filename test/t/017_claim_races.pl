@@ -13,16 +13,13 @@ use warnings;
 use IPC::Run;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('races');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('races', conf => qq{
 idem.purge_enabled = off
 max_connections = 40
-});
-$node->start;
+}, extension => []);
 $node->safe_psql('postgres', q{
 CREATE EXTENSION idem;
 CREATE TABLE claims (token bigint NOT NULL, prev_max bigint NOT NULL);

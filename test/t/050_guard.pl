@@ -7,6 +7,7 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
 my $top = $ENV{TESTDIR} || '.';
@@ -14,11 +15,7 @@ my $program = "$top/test/guard/guard_test";
 system('make', '-s', '-C', "$top/guard") unless -x $program;
 ok(-x $program, 'guard test program is built');
 
-my $node = PostgreSQL::Test::Cluster->new('guard');
-$node->init;
-$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idem'");
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
+my $node = idem_node('guard');
 
 # No server listens on this port: the store is down.
 my $down = 'host=' . $node->host . ' port='

@@ -6,6 +6,7 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
 my $pgbouncer = '/usr/sbin/pgbouncer';
@@ -17,11 +18,7 @@ my $demo = "$top/test/demo/idem_demo";
 system('make', '-s', '-C', "$top/guard") unless -x $demo;
 ok(-x $demo, 'demo program is built');
 
-my $node = PostgreSQL::Test::Cluster->new('bounced');
-$node->init;
-$node->append_conf('postgresql.conf', "shared_preload_libraries = 'idem'");
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
+my $node = idem_node('bounced');
 
 # pgbouncer as this (non-root) user, trusting local clients on 127.0.0.1.
 my $user = getpwuid($<);

@@ -10,16 +10,13 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('dump');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('dump', conf => qq{
 idem.purge_enabled = off
 max_prepared_transactions = 5
-});
-$node->start;
+}, extension => []);
 my $tmp = PostgreSQL::Test::Utils::tempdir;
 
 sub sql
@@ -88,13 +85,17 @@ sub dump_and_restore
 	return;
 }
 
+# The version CREATE EXTENSION installs, from idem.control.
+my ($idem_version) = PostgreSQL::Test::Utils::slurp_file(
+	($ENV{TESTDIR} || '.') . '/idem.control') =~ /default_version = '([\d.]+)'/;
+
 # Checks on a restored database whose source stored %tok.
 sub check_restored
 {
 	my ($src, $dst, $last_token, %tok) = @_;
 
 	is(sql($dst, "SELECT extversion FROM pg_extension WHERE extname = 'idem'"),
-		'1.1', "$dst: idem 1.1");
+		$idem_version, "$dst: idem $idem_version, the installed default");
 	is(sql($dst, 'SELECT string_agg(scope || \'/\' || key || \'/\' || state, \' \' ORDER BY scope, key) FROM idem_keys'),
 		'/done-bin/DONE /done-null/DONE /flight/PROCESSING t1/done-scoped/DONE',
 		"$dst: the live keys, and no expired, released or uncommitted one");

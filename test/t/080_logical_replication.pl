@@ -15,24 +15,17 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $pub = PostgreSQL::Test::Cluster->new('publisher');
-$pub->init(allows_streaming => 'logical');
-$pub->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $pub = idem_node('publisher', init => { allows_streaming => 'logical' }, conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
-});
-$pub->start;
+}, extension => []);
 
-my $sub = PostgreSQL::Test::Cluster->new('subscriber');
-$sub->init;
-$sub->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $sub = idem_node('subscriber', conf => qq{
 idem.purge_enabled = off
-});
-$sub->start;
+}, extension => []);
 
 $_->safe_psql('postgres', 'CREATE EXTENSION idem') for ($pub, $sub);
 

@@ -8,17 +8,13 @@ use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('twophase');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('twophase', conf => qq{
 max_prepared_transactions = 5
 idem.purge_enabled = off
 });
-$node->start;
-$node->safe_psql('postgres', 'CREATE EXTENSION idem');
 
 sub sql
 {

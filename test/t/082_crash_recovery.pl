@@ -10,17 +10,14 @@ use warnings;
 use IPC::Run;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
-my $node = PostgreSQL::Test::Cluster->new('crash');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('crash', conf => qq{
 idem.purge_enabled = off
 restart_after_crash = on
 max_connections = 40
-});
-$node->start;
+}, extension => []);
 $node->safe_psql('postgres', 'CREATE EXTENSION idem; CREATE EXTENSION amcheck');
 
 sub sql

@@ -18,21 +18,18 @@ use warnings;
 use IPC::Run;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
+use IdemTest;
 use Test::More;
 
 # Calls per session; three sessions.
 my $iterations = 8000;
 
-my $node = PostgreSQL::Test::Cluster->new('fuzz');
-$node->init;
-$node->append_conf('postgresql.conf', qq{
-shared_preload_libraries = 'idem'
+my $node = idem_node('fuzz', conf => qq{
 idem.purge_naptime = 1
 # Not the ERRORs of every call, but crash reports (LOG).
 log_min_messages = log
 log_min_error_statement = panic
-});
-$node->start;
+}, extension => []);
 $node->safe_psql('postgres', q{
 CREATE DATABASE fuzz_utf8 TEMPLATE template0 ENCODING 'UTF8' LC_COLLATE 'C' LC_CTYPE 'C';
 CREATE DATABASE fuzz_ascii TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C';
