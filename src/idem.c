@@ -9,6 +9,7 @@
 #include "postgres.h"
 
 #include <limits.h>
+#include <stdlib.h>
 
 #include "fmgr.h"
 #include "miscadmin.h"
@@ -152,8 +153,8 @@ idem_window_end(TimestampTz now, Interval *span, int default_secs,
 
 	if (span == NULL)
 		length = (int64) default_secs * USECS_PER_SEC;
-	else if (Abs(span->month) > idem_max_retention / (28 * SECS_PER_DAY) + 1 ||
-			 Abs(span->day) > idem_max_retention / SECS_PER_DAY + 1 ||
+	else if (abs(span->month) > idem_max_retention / (28 * SECS_PER_DAY) + 1 ||
+			 abs(span->day) > idem_max_retention / SECS_PER_DAY + 1 ||
 			 span->time > 2 * max_usecs || span->time < -2 * max_usecs)
 	{
 		/* Far out of range either way: do not compute with it. */
