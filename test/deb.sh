@@ -128,7 +128,10 @@ cleanup() {
 	done
 	mounts=()
 	chroots=()
-	[ -n "$build_dir" ] && rm -rf "$build_dir"
+	if [ -n "$build_dir" ]; then
+		save_outputs
+		rm -rf "$build_dir"
+	fi
 	if [ -n "$run_dir" ]; then
 		if mounted_below "$run_dir"; then
 			echo "$run_dir still has mounts below it; not deleting it" >&2
@@ -249,9 +252,18 @@ if [ "$prepare_only" -eq 1 ]; then
 	exit 0
 fi
 
-mkdir -p "$out"
-rm -f "$out"/*.deb "$out"/*.changes "$out"/*.buildinfo "$out"/*.log
-log=$out/test.log
+# Packages and logs are made in $work (under /tmp) and copied to $out on
+# exit, so a concurrent make clean or make test that empties test/output
+# does not break a run.
+build_dir=$(mktemp -d /tmp/idem-deb-build.XXXXXX)
+work=$build_dir/out
+mkdir -p "$work"
+save_outputs() {
+	mkdir -p "$out" || return
+	rm -rf "$out"/*.deb "$out"/*.changes "$out"/*.buildinfo "$out"/*.log "$out/installcheck"
+	cp -a "$work"/. "$out"/
+}
+log=$work/test.log
 : >"$log"
 passed=0
 failed=0
@@ -277,7 +289,7 @@ check() {
 		return 0
 	fi
 	failed=$((failed + 1))
-	echo "FAILED: $name (see $log)"
+	echo "FAILED: $name (see $out/test.log)"
 	tail -n 30 "$log" | sed 's/^/    /'
 	return 1
 }
@@ -335,22 +347,23 @@ build() {
 	version=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) || return 1
 	src=$build_dir/idem-$version
 	copy_tree "$src" || return 1
-	(cd "$src" && dpkg-buildpackage -us -uc -b) >"$out/build.log" 2>&1 || {
-		tail -n 40 "$out/build.log"
+	(cd "$src" && dpkg-buildpackage -us -uc -b) >"$work/build.log" 2>&1 || {
+		tail -n 40 "$work/build.log"
 		return 1
 	}
-	cp "$build_dir"/*.deb "$build_dir"/*.changes "$build_dir"/*.buildinfo "$out"/ &&
-		ls "$out"/*.deb
+	cp "$build_dir"/*.deb "$build_dir"/*.changes "$build_dir"/*.buildinfo "$work"/ &&
+		ls "$work"/*.deb
 }
 
 start=$SECONDS
-build_dir=$(mktemp -d /tmp/idem-deb-build.XXXXXX)
 check "build dependencies on the host" install_build_deps || result
-check "dpkg-buildpackage -us -uc -b (log: $out/build.log)" build || result
+check "dpkg-buildpackage -us -uc -b (log: $out/build.log)" build
+rc=$?
 t_build=$((SECONDS - start))
+[ "$rc" -eq 0 ] || result
 # The test needs the extension's package, not its debug symbols.
 debs=()
-for f in "$out"/*.deb; do
+for f in "$work"/*.deb; do
 	case "$f" in *-dbgsym_*) ;; *) debs+=("$(basename "$f")") ;; esac
 done
 
@@ -377,7 +390,7 @@ overlay() {
 		mount_in "$root/var/cache/apt/archives" --bind "$cache/archives" || return 1
 	cp -L /etc/resolv.conf "$root/etc/resolv.conf"
 	mkdir -p "$root/build/debs"
-	cp "${debs[@]/#/$out/}" "$root/build/debs/"
+	cp "${debs[@]/#/$work/}" "$root/build/debs/"
 	copy_tree "$root/build/idem"
 }
 check "a throwaway overlay on the chroot" overlay || result
@@ -389,12 +402,18 @@ check "apt-get install -y ./*.deb (${debs[*]})" in_chroot "
 	cd /build/debs && apt-get install -y ./*.deb
 	dpkg -l postgresql-$pgv-idem libidem-guard-dev postgresql-$pgv | grep '^ii'" || result
 
+# The extension's version and its install and update scripts, as in the
+# tree that was built.
+ext_version=$(sed -n "s/^default_version = '\(.*\)'/\1/p" "$root/build/idem/idem.control")
+scripts=()
+for f in "$root"/build/idem/sql/idem--*.sql; do
+	scripts+=("postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/$(basename "$f")")
+done
 installed_files() {
 	local f
 	for f in "postgresql-$pgv-idem:/usr/lib/postgresql/$pgv/lib/idem.so" \
 		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem.control" \
-		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem--1.0.sql" \
-		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem--1.0--1.1.sql" \
+		"${scripts[@]}" \
 		"libidem-guard-dev:/usr/include/postgresql/idem_guard.h" \
 		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/libidem_guard.a"; do
 		in_chroot "dpkg -S '${f#*:}' | grep -q '^${f%%:*}: '" || {
@@ -424,11 +443,11 @@ check "a server as idemtest with shared_preload_libraries = 'idem'" in_chroot "
 
 sql_check() {
 	local got expected
-	expected='1.1
+	expected="$ext_version
 t|PROCESSING
 t
 f|DONE|201|done
-1'
+1"
 	got=$(as_idemtest "psql -h $sock -d postgres -X -q -At -v ON_ERROR_STOP=1 <<'SQL'
 CREATE EXTENSION idem;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
@@ -505,19 +524,18 @@ if [ "${IDEM_DEB_TAP:-0}" = 1 ]; then
 		result
 fi
 installcheck() {
-	local ic=$out/installcheck.log rc cases bad
+	local ic=$work/installcheck.log rc cases bad
 	as_idemtest "cd /build/idem &&
 		make installcheck PG_CONFIG=/usr/lib/postgresql/$pgv/bin/pg_config $tap" >"$ic" 2>&1
 	rc=$?
-	rm -rf "$out/installcheck"
-	[ -d "$root/build/idem/test/output" ] && cp -a "$root/build/idem/test/output" "$out/installcheck"
+	[ -d "$root/build/idem/test/output" ] && cp -a "$root/build/idem/test/output" "$work/installcheck"
 	cases=$(grep -Ec '^(test|     ) .*\.\.\. ok|^ok [0-9]+ +[-+] ' "$ic")
 	cases=$((cases + $(sed -n 's/^Files=[0-9]*, Tests=\([0-9]*\),.*/\1/p' "$ic" |
 		awk '{n += $1} END {print n + 0}')))
 	bad=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)' "$ic")
 	ic_cases=$cases
 	ic_bad=$bad
-	echo "installcheck: exit $rc, $cases test cases passed, $bad failed (log: $ic)"
+	echo "installcheck: exit $rc, $cases test cases passed, $bad failed (log: $out/installcheck.log)"
 	grep -E '^(test|     ) |^ok |^not ok |^# |^=+$|tests? (passed|failed)' "$ic" | tail -n 60
 	[ "$rc" -eq 0 ] && [ "$bad" -eq 0 ] && [ "$cases" -gt 0 ]
 }
