@@ -85,6 +85,12 @@ bench: deps
 valgrind-check: deps
 	sh test/valgrind.sh
 
+# Build the Debian packages (debian/) from the committed tree and test them
+# in a clean Debian 12 chroot (root only).  IDEM_DEB_TAP=1 adds the TAP suites.
+.PHONY: deb
+deb:
+	bash test/deb.sh
+
 # Build and run every suite and the demo against each supported PostgreSQL
 # version: 15 on the host, 17 and 18 in cached Debian chroots (root only).
 # MATRIX="17 18" runs a subset.
