@@ -28,6 +28,16 @@
  *	 from the primary key's own columns.
  * - snapshots are registered while in use.
  *
+ * When Citus distributes idem.keys (see citus.c and idem_distribute()),
+ * keytable_open acts on the shard that holds the key on this node instead
+ * of the distributed table, whose own heap stays empty: it resolves and
+ * locks the shard, refuses a key whose shard is placed elsewhere, and
+ * checks each shard's shape as above.  Tokens then come from Citus's node
+ * clock instead of the node's own idem.token_seq, and a takeover's token
+ * is kept above the key's last one, so that tokens per key grow across
+ * nodes too.  Whether the table is distributed is decided with the shape
+ * check, once per invalidation: without Citus nothing is added per call.
+ *
  * A new key is inserted with speculative insertion, as INSERT ... ON
  * CONFLICT does: the heap tuple carries a speculative token, the primary
  * key entry is added with UNIQUE_CHECK_PARTIAL, and if another transaction
@@ -59,6 +69,7 @@
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
+#include "utils/hsearch.h"
 #include "utils/inval.h"
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
@@ -66,6 +77,7 @@
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
+#include "citus.h"
 #include "keytable.h"
 
 /* The columns of idem.keys, as sql/idem--1.0.sql creates them. */
@@ -93,18 +105,40 @@ static bool callbacks_registered = false;
 static uint64 keys_inval_count = 0;
 /* keys_inval_count when the shape was last found good, plus one. */
 static uint64 shape_checked = 0;
-/* The primary key's IndexInfo, built with the shape check. */
+
+/* What the shape check found out about a table with the right shape. */
+typedef struct KeyShape
+{
+	Oid			relid;			/* hash key of shard_shapes */
+	Oid			pkey_relid;
+	IndexInfo  *pkey_info;		/* built with the shape check */
+	bool		key_first;		/* primary key on (key, scope), not (scope, key) */
+} KeyShape;
+
+/* Memory of the shape checks; reset when the shape is checked anew. */
 static MemoryContext keytable_cxt = NULL;
-static IndexInfo *pkey_info = NULL;
-static Oid	pkey_relid = InvalidOid;
-/* The primary key's column order: (key, scope) from 1.2 on, else (scope, key). */
-static bool pkey_key_first = true;
+static KeyShape keys_shape;
+/* The column Citus distributes idem.keys by, 0 if it does not. */
+static AttrNumber keys_distcol = 0;
+/*
+ * The greatest token read from the shard opened last (distributed only):
+ * new tokens for it are drawn above it.
+ */
+static int64 shard_token_floor = 0;
+/*
+ * Shards of a distributed idem.keys checked since the last invalidation,
+ * by relation OID; their primary keys are entered too, with relid as the
+ * index's OID, so that the relcache callback finds them.
+ */
+static HTAB *shard_shapes = NULL;
 
 static void
 keys_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == keys_relid ||
-		relid == token_seq_relid || relid == pkey_relid)
+		relid == token_seq_relid || relid == keys_shape.pkey_relid ||
+		(shard_shapes != NULL &&
+		 hash_search(shard_shapes, &relid, HASH_FIND, NULL) != NULL))
 	{
 		keys_relid = InvalidOid;
 		keys_inval_count++;
@@ -189,17 +223,19 @@ refuse_shape(Relation rel, const char *what, const char *detail)
 					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")));
 }
 
-/* Check that idem.keys and idem.token_seq are as the install script made them. */
+/*
+ * Check that idem.keys (or a shard of it) is as the install script made
+ * it, and note in *shape its primary key, with an IndexInfo built in
+ * keytable_cxt.
+ */
 static void
-check_shape(Relation rel)
+check_shape(Relation rel, KeyShape *shape)
 {
 	TupleDesc	desc = RelationGetDescr(rel);
 	Oid			pkid;
 	List	   *indexes;
 	ListCell   *lc;
 	Relation	pkey;
-	HeapTuple	seqtup;
-	Form_pg_sequence seq;
 	int			i;
 
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
@@ -268,7 +304,24 @@ check_shape(Relation rel)
 		RelationGetIndexPredicate(pkey) != NIL)
 		refuse_shape(rel, "its primary key was changed",
 					 "It should be a btree on (key, scope).");
-	pkey_key_first = (pkey->rd_index->indkey.values[0] == Anum_keys_key);
+	shape->relid = RelationGetRelid(rel);
+	shape->key_first = (pkey->rd_index->indkey.values[0] == Anum_keys_key);
+	{
+		MemoryContext old = MemoryContextSwitchTo(keytable_cxt);
+
+		shape->pkey_info = BuildIndexInfo(pkey);
+		MemoryContextSwitchTo(old);
+	}
+	shape->pkey_relid = pkid;
+	index_close(pkey, NoLock);
+}
+
+/* Check that idem.token_seq is as the install script made it. */
+static void
+check_token_seq(void)
+{
+	HeapTuple	seqtup;
+	Form_pg_sequence seq;
 
 	seqtup = SearchSysCache1(SEQRELID, ObjectIdGetDatum(token_seq_relid));
 	if (!HeapTupleIsValid(seqtup))
@@ -280,28 +333,89 @@ check_shape(Relation rel)
 				 errmsg("idem cannot use sequence idem.token_seq: it must be ascending, with CACHE 1 and NO CYCLE"),
 				 errdetail("Fencing tokens must grow across all sessions.")));
 	ReleaseSysCache(seqtup);
+}
 
-	/* Keep the primary key's IndexInfo for the inserts. */
+/*
+ * Check idem.keys anew after an invalidation: forget the shapes found
+ * before, find out whether Citus distributes the table, and check the
+ * table itself unless it is (then its shards are checked as they are
+ * used: the distributed table is only Citus's front, and has Citus's
+ * truncate trigger).
+ */
+static void
+check_keys(Relation rel)
+{
+	shard_shapes = NULL;
+	keys_shape.pkey_relid = InvalidOid;
 	if (keytable_cxt == NULL)
 		keytable_cxt = AllocSetContextCreate(CacheMemoryContext,
 											 "idem key table",
 											 ALLOCSET_SMALL_SIZES);
 	else
 		MemoryContextReset(keytable_cxt);
-	{
-		MemoryContext old = MemoryContextSwitchTo(keytable_cxt);
+	keys_distcol = idem_citus_distribution_column(rel);
+	if (keys_distcol == 0)
+		check_shape(rel, &keys_shape);
+	check_token_seq();
+}
 
-		pkey_info = BuildIndexInfo(pkey);
-		MemoryContextSwitchTo(old);
+/* The shape of a shard of the distributed idem.keys, checked once. */
+static KeyShape *
+shard_shape(Relation shard)
+{
+	Oid			relid = RelationGetRelid(shard);
+	KeyShape   *shape;
+	KeyShape	checked;
+	bool		found;
+
+	if (shard_shapes == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(Oid);
+		ctl.entrysize = sizeof(KeyShape);
+		ctl.hcxt = keytable_cxt;
+		shard_shapes = hash_create("idem shard shapes", 64, &ctl,
+								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
 	}
-	pkey_relid = pkid;
-	index_close(pkey, NoLock);
+	shape = hash_search(shard_shapes, &relid, HASH_FIND, NULL);
+	if (shape != NULL)
+		return shape;
+	check_shape(shard, &checked);
+	/* The index, so that its invalidations are noticed too. */
+	shape = hash_search(shard_shapes, &checked.pkey_relid, HASH_ENTER, &found);
+	*shape = checked;
+	shape->relid = checked.pkey_relid;
+	shape = hash_search(shard_shapes, &relid, HASH_ENTER, &found);
+	*shape = checked;
+	return shape;
+}
+
+/*
+ * Make kt act on the shard relid of the distributed idem.keys instead of
+ * the table itself, whose lock stays.
+ */
+static void
+open_shard(KeyTable *kt, Oid relid)
+{
+	KeyShape   *shape;
+
+	table_close(kt->rel, NoLock);
+	kt->rel = table_open(relid, AccessShareLock);
+	shape = shard_shape(kt->rel);
+	kt->pkey = index_open(shape->pkey_relid, AccessShareLock);
+	kt->pkey_info = shape->pkey_info;
+	kt->pkey_key_first = shape->key_first;
+	kt->distributed = true;
+	shard_token_floor = 0;
 }
 
 /*
  * Open idem.keys for a call of the SQL function "what" on (scope, key),
  * with AccessShareLock until the end of the transaction.  scope and key
- * may be NULL (purge).
+ * may be NULL (purge, which opens the shards of a distributed table
+ * itself).  If Citus distributes the table, the shard that holds the key
+ * is opened instead, or the call fails if that shard is on another node.
  */
 void
 keytable_open(KeyTable *kt, const char *what, text *scope, text *key)
@@ -312,16 +426,30 @@ keytable_open(KeyTable *kt, const char *what, text *scope, text *key)
 	inval_count = keys_inval_count;
 	if (shape_checked != inval_count + 1)
 	{
-		check_shape(kt->rel);
+		check_keys(kt->rel);
 		if (inval_count == keys_inval_count)
 			shape_checked = inval_count + 1;
 	}
-	kt->pkey = index_open(pkey_relid, AccessShareLock);
 	kt->writable = false;
-	kt->slot = table_slot_create(kt->rel, NULL);
 	kt->what = what;
 	kt->scope = scope;
 	kt->key = key;
+	if (unlikely(keys_distcol != 0))
+	{
+		kt->pkey = NULL;
+		if (key != NULL)
+			open_shard(kt, idem_citus_local_shard(kt->rel,
+												  PointerGetDatum(keys_distcol == Anum_keys_key ? key : scope),
+												  what, key));
+	}
+	else
+	{
+		kt->pkey = index_open(keys_shape.pkey_relid, AccessShareLock);
+		kt->pkey_info = keys_shape.pkey_info;
+		kt->pkey_key_first = keys_shape.key_first;
+		kt->distributed = false;
+	}
+	kt->slot = table_slot_create(kt->rel, NULL);
 }
 
 /* Close what keytable_open opened; the locks stay until the transaction ends. */
@@ -329,7 +457,8 @@ void
 keytable_close(KeyTable *kt)
 {
 	ExecDropSingleTupleTableSlot(kt->slot);
-	index_close(kt->pkey, NoLock);
+	if (kt->pkey != NULL)
+		index_close(kt->pkey, NoLock);
 	table_close(kt->rel, NoLock);
 }
 
@@ -415,8 +544,8 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 static void
 pkey_values(KeyTable *kt, Datum *values)
 {
-	values[pkey_key_first ? 0 : 1] = PointerGetDatum(kt->key);
-	values[pkey_key_first ? 1 : 0] = PointerGetDatum(kt->scope);
+	values[kt->pkey_key_first ? 0 : 1] = PointerGetDatum(kt->key);
+	values[kt->pkey_key_first ? 1 : 0] = PointerGetDatum(kt->scope);
 }
 
 /* Scan keys for an equality lookup of the key in the primary key. */
@@ -467,7 +596,11 @@ keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	if (fetch_key(kt, snapshot))
+	{
 		set_row(row, kt->slot, body_cxt);
+		if (unlikely(kt->distributed))
+			shard_token_floor = Max(shard_token_floor, row->token);
+	}
 	else
 		memset(row, 0, sizeof(KeyRow));
 	UnregisterSnapshot(snapshot);
@@ -556,13 +689,25 @@ insert_pkey_entry(KeyTable *kt, ItemPointer tid, IndexUniqueCheck check)
 
 	pkey_values(kt, values);
 	return index_insert(kt->pkey, values, nulls, tid, kt->rel, check,
-						check == UNIQUE_CHECK_YES, pkey_info);
+						check == UNIQUE_CHECK_YES, kt->pkey_info);
 }
 
-/* The next fencing token. */
+/*
+ * The next fencing token: from idem.token_seq, or, when Citus distributes
+ * idem.keys (as found by the keytable_open this token is drawn for), from
+ * Citus's node clock, and above every token read from the key's row: that
+ * row may have been written on another node, whose clock was ahead,
+ * before its shard moved here.
+ */
 int64
 keytable_next_token(void)
 {
+	if (unlikely(keys_distcol != 0))
+	{
+		int64		token = idem_citus_next_token();
+
+		return token > shard_token_floor ? token : shard_token_floor + 1;
+	}
 	return nextval_internal(token_seq_relid, false);
 }
 
@@ -753,51 +898,49 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 }
 
 /*
- * Delete up to limit rows that expired at or before now, walking the table
- * in physical order from *cursor, which is moved past the last row looked
- * at.  *at_end is set if the scan reached the end of the table.  A row is
- * deleted only if the version found expired is still the latest and no
- * transaction holds it: the delete never waits.
+ * Delete up to limit rows of kt->rel that expired at or before now, walking
+ * it in physical order from *cursor, which is moved past the last row
+ * looked at.  *at_end is set if the scan reached the end of the table.  A
+ * row is deleted only if the version found expired is still the latest
+ * and no transaction holds it: the delete never waits.
  */
-int64
-keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
-					 bool *at_end)
+static int64
+purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
+			   bool *at_end)
 {
-	KeyTable	kt;
 	CommandId	cid;
 	ItemPointerData last;
 	Snapshot	snapshot;
 	TableScanDesc scan;
 	int64		n = 0;
 
-	keytable_open(&kt, "idem_purge()", NULL, NULL);
-	keytable_prepare_write(&kt);
+	keytable_prepare_write(kt);
 
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
 	cid = GetCurrentCommandId(true);
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
-	scan = table_beginscan_tidrange(kt.rel, snapshot, cursor, &last);
+	scan = table_beginscan_tidrange(kt->rel, snapshot, cursor, &last);
 	*at_end = true;
-	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, kt.slot))
+	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, kt->slot))
 	{
-		ItemPointerData tid = kt.slot->tts_tid;
+		ItemPointerData tid = kt->slot->tts_tid;
 		bool		isnull;
 		TM_FailureData tmfd;
 		TM_Result	result;
 
 		ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
 					   ItemPointerGetOffsetNumber(&tid) + 1);
-		if (DatumGetTimestampTz(slot_getattr(kt.slot, Anum_keys_expires_at,
+		if (DatumGetTimestampTz(slot_getattr(kt->slot, Anum_keys_expires_at,
 											 &isnull)) > now)
 			continue;
-		result = table_tuple_delete(kt.rel, &tid, cid, snapshot,
+		result = table_tuple_delete(kt->rel, &tid, cid, snapshot,
 									InvalidSnapshot, false, &tmfd, false);
 		/* Locked by this transaction itself (it changed the key): no wait. */
 		if (result == TM_BeingModified &&
 			TransactionIdIsCurrentTransactionId(tmfd.xmax))
-			result = table_tuple_delete(kt.rel, &tid, cid, snapshot,
+			result = table_tuple_delete(kt->rel, &tid, cid, snapshot,
 										InvalidSnapshot, true, &tmfd, false);
 		if (result == TM_Ok)
 			n++;
@@ -809,6 +952,72 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snapshot);
+	return n;
+}
+
+/*
+ * The shard whose rows *cursor points into, when Citus distributes
+ * idem.keys: purge walks this node's shards in shard id order, and the
+ * cursor (0,0) starts over at the first.
+ */
+static int64 purge_shardid = 0;
+
+/*
+ * Delete up to limit rows that expired at or before now, walking the table
+ * in physical order from *cursor, which is moved past the last row looked
+ * at.  *at_end is set if the scan reached the end of the table (of the
+ * last shard placed on this node, if Citus distributes it).
+ */
+int64
+keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
+					 bool *at_end)
+{
+	KeyTable	kt;
+	int64		n = 0;
+	List	   *shards;
+	ListCell   *lc;
+
+	keytable_open(&kt, "idem_purge()", NULL, NULL);
+	if (likely(keys_distcol == 0))
+	{
+		n = purge_relation(&kt, now, limit, cursor, at_end);
+		keytable_close(&kt);
+		return n;
+	}
+
+	/* Distributed: the shards placed here; the table itself stays empty. */
+	if (ItemPointerGetBlockNumberNoCheck(cursor) == 0 &&
+		ItemPointerGetOffsetNumberNoCheck(cursor) == 0)
+		purge_shardid = 0;
+	shards = idem_citus_local_shards(kt.rel);
+	*at_end = true;
+	foreach(lc, shards)
+	{
+		IdemShard  *shard = lfirst(lc);
+		bool		shard_at_end;
+
+		if (shard->shardid < purge_shardid)
+			continue;
+		if (shard->shardid > purge_shardid)
+		{
+			ItemPointerSet(cursor, 0, 0);
+			purge_shardid = shard->shardid;
+		}
+		ExecDropSingleTupleTableSlot(kt.slot);
+		if (kt.pkey != NULL)
+			index_close(kt.pkey, NoLock);
+		open_shard(&kt, shard->relid);
+		kt.slot = table_slot_create(kt.rel, NULL);
+		kt.writable = false;
+		n += purge_relation(&kt, now, limit - n, cursor, &shard_at_end);
+		if (!shard_at_end)
+		{
+			*at_end = false;
+			break;
+		}
+	}
+	if (*at_end)
+		purge_shardid = 0;
 	keytable_close(&kt);
 	return n;
 }

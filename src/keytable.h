@@ -37,8 +37,11 @@ typedef struct KeyRow
 /* An open idem.keys and its primary key, for one call. */
 typedef struct KeyTable
 {
-	Relation	rel;
+	Relation	rel;			/* idem.keys, or its shard holding the key */
 	Relation	pkey;
+	struct IndexInfo *pkey_info;	/* the primary key's, for inserts */
+	bool		pkey_key_first; /* (key, scope) from 1.2 on, else (scope, key) */
+	bool		distributed;	/* rel is a Citus shard */
 	bool		writable;		/* keytable_prepare_write done */
 	TupleTableSlot *slot;		/* the version last read */
 	const char *what;			/* the SQL function, for error messages */

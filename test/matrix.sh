@@ -42,12 +42,27 @@ suite_of() {
 	esac
 }
 
-# Packages a chroot needs: the server and headers of one version, and what
-# test/deps.sh installs on the host for the suites and the demo.
+# Packages a chroot needs: the server and headers of one version, what
+# test/deps.sh installs on the host for the suites and the demo, and what
+# Citus needs to build (see citus_tarball; libselinux1-dev, in Citus's
+# list, is optional and was not installable in sid, so it is left out).
 packages_of() {
 	echo "postgresql-$1 postgresql-server-dev-$1 libpq-dev libipc-run-perl" \
-		"pgbouncer make gcc libc6-dev perl"
+		"pgbouncer make gcc libc6-dev perl" \
+		"liblz4-dev libzstd-dev libcurl4-openssl-dev libkrb5-dev libssl-dev" \
+		"libxml2-dev libxslt1-dev libpam0g-dev libreadline-dev" \
+		"zlib1g-dev libicu-dev"
 }
+
+# Citus, for the Citus suite (test/t/090_citus.pl) in the 17 and 18
+# chroots.  No package source reachable from CI ships it: its source
+# tarball lives outside this repository ($IDEM_CITUS_TARBALL, default
+# ../shared/deps next to the checkout), is copied into the chroot when the
+# chroot is prepared, checked against the digest pinned here, built and
+# installed there, and cached with the chroot.  Without the tarball the
+# chroot has no Citus and the Citus suite skips itself.
+citus_tarball=${IDEM_CITUS_TARBALL:-$top/../shared/deps/citus-14.0.1.tar.gz}
+citus_sha256=acfa9a77cd84a8e1edab26cca4a71355f39c910c01586da89560e0240d4b05ba
 
 if [ "$(id -u)" -ne 0 ]; then
 	echo "test/matrix.sh needs root (debootstrap, chroot, mount)" >&2
@@ -216,6 +231,44 @@ prepare_chroot() {
 	echo "$suite: $pkgs" >"$marker"
 }
 
+# Build and install Citus for version $1 in the chroot $2 from
+# $citus_tarball, unless the chroot already has this Citus (marker).
+prepare_citus() {
+	local v=$1 root=$2 marker=$2/.idem-matrix-citus name rc
+	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$citus_sha256" ]; then
+		echo "reusing the Citus build in $root"
+		return 0
+	fi
+	if [ ! -f "$citus_tarball" ]; then
+		echo "no Citus source at $citus_tarball: the Citus suite will be skipped"
+		return 0
+	fi
+	echo "$citus_sha256  $citus_tarball" | sha256sum -c --quiet - || {
+		echo "$citus_tarball does not have the expected sha256 $citus_sha256" >&2
+		return 1
+	}
+	name=$(basename "$citus_tarball" .tar.gz)
+	rm -rf "$root/build/citus"
+	mkdir -p "$root/build/citus"
+	cp "$citus_tarball" "$root/build/citus/$name.tar.gz"
+	mount_chroot "$root" || return 1
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		LANG=C.UTF-8 sh -c "
+		set -e
+		cd /build/citus
+		echo '$citus_sha256  $name.tar.gz' | sha256sum -c --quiet -
+		tar xzf $name.tar.gz
+		cd $name
+		./configure -q PG_CONFIG=/usr/lib/postgresql/$v/bin/pg_config >/dev/null
+		make -s -j$(nproc) >/dev/null
+		make -s install >/dev/null"
+	rc=$?
+	unmount_chroot "$root"
+	rm -rf "$root/build/citus"
+	[ "$rc" -eq 0 ] || { echo "building Citus in $root failed" >&2; return 1; }
+	echo "$citus_sha256" >"$marker"
+}
+
 # The tree as it is now, without build products and test output.
 snapshot=$(mktemp /tmp/idem-matrix-src.XXXXXX.tar)
 tar -C "$top" --exclude=./.git --exclude='*.o' --exclude='*.bc' --exclude='*.so' \
@@ -277,8 +330,15 @@ if [ "$prepare_only" -eq 1 ]; then
 	for v in "${versions[@]}"; do
 		[ "$v" = "$host_version" ] && continue
 		start=$SECONDS
-		prepare_chroot "$v" "$cache/$(suite_of "$v")" || rc=1
-		echo "PostgreSQL $v: chroot preparation took $((SECONDS - start))s"
+		if prepare_chroot "$v" "$cache/$(suite_of "$v")"; then
+			echo "PostgreSQL $v: chroot preparation took $((SECONDS - start))s"
+			start=$SECONDS
+			prepare_citus "$v" "$cache/$(suite_of "$v")" || rc=1
+			echo "PostgreSQL $v: Citus build took $((SECONDS - start))s"
+		else
+			rc=1
+			echo "PostgreSQL $v: chroot preparation failed after $((SECONDS - start))s"
+		fi
 	done
 	exit $rc
 fi
@@ -299,7 +359,8 @@ for v in "${versions[@]}"; do
 		where="$suite chroot"
 		root=$cache/$suite
 		echo "=== PostgreSQL $v in a $where"
-		if prepare_chroot "$v" "$root" >"$logdir/pg$v-prepare.log" 2>&1; then
+		if prepare_chroot "$v" "$root" >"$logdir/pg$v-prepare.log" 2>&1 &&
+			prepare_citus "$v" "$root" >>"$logdir/pg$v-prepare.log" 2>&1; then
 			prep=$((SECONDS - start))
 			start=$SECONDS
 			run_chroot "$v" "$root" >"$log" 2>&1 || rc=$?
