@@ -5,7 +5,11 @@
  *
  * Counters exist only when idem is in shared_preload_libraries.  Each
  * database gets a slot on its first count; a backend remembers its slot,
- * so counting is one atomic add.
+ * so counting is one atomic add and takes no lock.  A slot's database is
+ * an atomic read without a lock; only giving a slot to a database takes
+ * the exclusive lock, once per database (and, while every slot is taken,
+ * once per backend until a slot is freed).  The launcher frees the slots
+ * of dropped databases (idem_stats_forget).
  *
  *-------------------------------------------------------------------------
  */
@@ -26,14 +30,21 @@
 PG_FUNCTION_INFO_V1(idem_stats);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
 
-/* Databases with counters; more are not counted (see README). */
-#define IDEM_STATS_MAX_DATABASES	256
+/* Databases with counters at the same time; more wait for a free slot. */
+#define IDEM_STATS_MAX_DATABASES	IDEM_STATS_SLOTS
 #define IDEM_STATS_ERROR_LEN		256
+
+/* Columns of idem_stats() in 1.1: dbid, the counters, last_purge, error. */
+#define IDEM_STATS_COLS			(IDEM_STAT_NUM + 3)
+/* A later version may add purge_start_failures after them. */
+#define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS + 1)
 
 typedef struct IdemDbStats
 {
-	Oid			dboid;			/* InvalidOid: slot free */
+	pg_atomic_uint32 dboid;		/* InvalidOid: slot free; changed under the
+								 * exclusive lock, read without it */
 	pg_atomic_uint64 counters[IDEM_STAT_NUM];
+	pg_atomic_uint64 start_failures;	/* purge workers that could not start */
 	TimestampTz last_purge;		/* 0: never; under lock */
 	char		last_error[IDEM_STATS_ERROR_LEN];	/* under lock */
 } IdemDbStats;
@@ -41,11 +52,17 @@ typedef struct IdemDbStats
 typedef struct IdemStatsShared
 {
 	LWLock	   *lock;
+	pg_atomic_uint32 frees;		/* bumped each time slots are freed */
+	pg_atomic_uint64 start_failures;	/* all databases */
 	IdemDbStats dbs[IDEM_STATS_MAX_DATABASES];
 } IdemStatsShared;
 
 static IdemStatsShared *stats = NULL;
 static IdemDbStats *my_db_stats = NULL;
+
+/* Set when this backend found no free slot, and the value of frees then. */
+static bool no_slot = false;
+static uint32 no_slot_frees = 0;
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
@@ -58,6 +75,19 @@ stats_shmem_request(void)
 		prev_shmem_request_hook();
 	RequestAddinShmemSpace(sizeof(IdemStatsShared));
 	RequestNamedLWLockTranche("idem", 1);
+}
+
+/* Zero a slot's counters and purge record; the caller owns the slot. */
+static void
+slot_clear(IdemDbStats *slot)
+{
+	int			j;
+
+	for (j = 0; j < IDEM_STAT_NUM; j++)
+		pg_atomic_write_u64(&slot->counters[j], 0);
+	pg_atomic_write_u64(&slot->start_failures, 0);
+	slot->last_purge = 0;
+	slot->last_error[0] = '\0';
 }
 
 /* Create or attach to the counters. */
@@ -77,12 +107,16 @@ stats_shmem_startup(void)
 
 		memset(stats, 0, sizeof(IdemStatsShared));
 		stats->lock = &(GetNamedLWLockTranche("idem"))->lock;
+		pg_atomic_init_u32(&stats->frees, 0);
+		pg_atomic_init_u64(&stats->start_failures, 0);
 		for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
 		{
 			int			j;
 
+			pg_atomic_init_u32(&stats->dbs[i].dboid, InvalidOid);
 			for (j = 0; j < IDEM_STAT_NUM; j++)
 				pg_atomic_init_u64(&stats->dbs[i].counters[j], 0);
+			pg_atomic_init_u64(&stats->dbs[i].start_failures, 0);
 		}
 	}
 	LWLockRelease(AddinShmemInitLock);
@@ -98,27 +132,70 @@ idem_stats_shmem_init(void)
 	shmem_startup_hook = stats_shmem_startup;
 }
 
-/* The slot of a database, taken if it has none; NULL when all are taken. */
+/* The slot of a database, or NULL if it has none; takes no lock. */
 static IdemDbStats *
-db_stats(Oid dboid)
+find_slot(Oid dboid)
 {
-	IdemDbStats *slot = NULL;
 	int			i;
+
+	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
+	{
+		if (pg_atomic_read_u32(&stats->dbs[i].dboid) == dboid)
+			return &stats->dbs[i];
+	}
+	return NULL;
+}
+
+/*
+ * The slot of a database, given one if it has none; NULL when every slot
+ * is taken.  Giving a slot takes the exclusive lock, so that two backends
+ * of a new database cannot take two slots.
+ */
+static IdemDbStats *
+find_or_take_slot(Oid dboid)
+{
+	IdemDbStats *slot = find_slot(dboid);
+	int			i;
+
+	if (slot != NULL)
+		return slot;
 
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
 	{
-		if (stats->dbs[i].dboid == dboid)
+		Oid			owner = pg_atomic_read_u32(&stats->dbs[i].dboid);
+
+		if (owner == dboid)
 		{
 			slot = &stats->dbs[i];
 			break;
 		}
-		if (slot == NULL && stats->dbs[i].dboid == InvalidOid)
+		if (slot == NULL && owner == InvalidOid)
 			slot = &stats->dbs[i];
 	}
-	if (slot != NULL && slot->dboid != dboid)
-		slot->dboid = dboid;
+	/* A free slot was cleared when it was freed. */
+	if (slot != NULL)
+		pg_atomic_write_u32(&slot->dboid, dboid);
 	LWLockRelease(stats->lock);
+	return slot;
+}
+
+/*
+ * The current database's slot for this backend.  After finding every slot
+ * taken, the backend looks again only once a slot has been freed, so a
+ * database without a slot costs one atomic read per count.
+ */
+static IdemDbStats *
+my_slot(void)
+{
+	uint32		frees = pg_atomic_read_u32(&stats->frees);
+	IdemDbStats *slot;
+
+	if (no_slot && frees == no_slot_frees)
+		return NULL;
+	slot = find_or_take_slot(MyDatabaseId);
+	no_slot = (slot == NULL);
+	no_slot_frees = frees;
 	return slot;
 }
 
@@ -128,10 +205,14 @@ idem_stats_add(IdemStat stat, uint64 n)
 {
 	if (stats == NULL)
 		return;
-	if (my_db_stats == NULL || my_db_stats->dboid != MyDatabaseId)
-		my_db_stats = db_stats(MyDatabaseId);
-	if (my_db_stats != NULL)
-		pg_atomic_fetch_add_u64(&my_db_stats->counters[stat], n);
+	if (my_db_stats == NULL ||
+		pg_atomic_read_u32(&my_db_stats->dboid) != MyDatabaseId)
+	{
+		my_db_stats = my_slot();
+		if (my_db_stats == NULL)
+			return;
+	}
+	pg_atomic_fetch_add_u64(&my_db_stats->counters[stat], n);
 }
 
 /* Record the end of a purge run in a database: when, and its error if any. */
@@ -140,12 +221,98 @@ idem_stats_purge_done(Oid dboid, const char *error)
 {
 	IdemDbStats *slot;
 
-	if (stats == NULL || (slot = db_stats(dboid)) == NULL)
+	if (stats == NULL || (slot = find_or_take_slot(dboid)) == NULL)
 		return;
 	pg_atomic_fetch_add_u64(&slot->counters[IDEM_STAT_PURGE_RUNS], 1);
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	slot->last_purge = GetCurrentTimestamp();
 	strlcpy(slot->last_error, error ? error : "", IDEM_STATS_ERROR_LEN);
+	LWLockRelease(stats->lock);
+}
+
+/*
+ * Record why a purge run in a database with idem was skipped, in its
+ * last_purge_error, without counting a run.
+ */
+void
+idem_stats_purge_skipped(Oid dboid, const char *reason)
+{
+	IdemDbStats *slot;
+
+	if (stats == NULL || (slot = find_or_take_slot(dboid)) == NULL)
+		return;
+	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
+	strlcpy(slot->last_error, reason, IDEM_STATS_ERROR_LEN);
+	LWLockRelease(stats->lock);
+}
+
+/*
+ * Count a purge worker that could not start for a database.  The database
+ * may not have idem, so it gets no slot here; if it has one, the failure
+ * is counted there too and reason becomes its last_purge_error.  Returns
+ * the number of such failures in all databases since the server started.
+ */
+uint64
+idem_stats_start_failed(Oid dboid, const char *reason)
+{
+	IdemDbStats *slot;
+	uint64		total;
+
+	if (stats == NULL)
+		return 0;
+	total = pg_atomic_add_fetch_u64(&stats->start_failures, 1);
+	if ((slot = find_slot(dboid)) == NULL)
+		return total;
+	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
+	if (pg_atomic_read_u32(&slot->dboid) == dboid)
+	{
+		pg_atomic_fetch_add_u64(&slot->start_failures, 1);
+		strlcpy(slot->last_error, reason, IDEM_STATS_ERROR_LEN);
+	}
+	LWLockRelease(stats->lock);
+	return total;
+}
+
+/*
+ * The databases that have a slot now, into oids (room for
+ * IDEM_STATS_MAX_DATABASES); returns how many.
+ */
+int
+idem_stats_databases(Oid *oids)
+{
+	int			n = 0;
+	int			i;
+
+	if (stats == NULL)
+		return 0;
+	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
+	{
+		Oid			dboid = pg_atomic_read_u32(&stats->dbs[i].dboid);
+
+		if (dboid != InvalidOid)
+			oids[n++] = dboid;
+	}
+	return n;
+}
+
+/*
+ * Free the slot of a dropped database, clearing its counters.  Only for a
+ * database that no longer exists: no backend can be counting in it.
+ */
+void
+idem_stats_forget(Oid dboid)
+{
+	IdemDbStats *slot;
+
+	if (stats == NULL || dboid == InvalidOid)
+		return;
+	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
+	if ((slot = find_slot(dboid)) != NULL)
+	{
+		slot_clear(slot);
+		pg_atomic_write_u32(&slot->dboid, InvalidOid);
+		pg_atomic_fetch_add_u32(&stats->frees, 1);
+	}
 	LWLockRelease(stats->lock);
 }
 
@@ -160,34 +327,49 @@ require_stats(void)
 				 errhint("Add idem to shared_preload_libraries and restart the server.")));
 }
 
-/* idem_stats(): one row per database with counters. */
+/*
+ * idem_stats(): one row per database with counters.  A result type with
+ * one more column (a later version of the SQL function) also gets the
+ * database's purge_start_failures.
+ */
 Datum
 idem_stats(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	int			natts;
 	int			i;
 
 	require_stats();
 	InitMaterializedSRF(fcinfo, 0);
+	natts = rsinfo->setDesc->natts;
+	if (natts != IDEM_STATS_COLS && natts != IDEM_STATS_MAX_COLS)
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("idem_stats() is declared with %d columns, expected %d or %d",
+						natts, IDEM_STATS_COLS, IDEM_STATS_MAX_COLS),
+				 errhint("Run ALTER EXTENSION idem UPDATE.")));
 
 	LWLockAcquire(stats->lock, LW_SHARED);
 	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
 	{
 		IdemDbStats *slot = &stats->dbs[i];
-		Datum		values[IDEM_STAT_NUM + 3];
-		bool		nulls[IDEM_STAT_NUM + 3];
+		Oid			dboid = pg_atomic_read_u32(&slot->dboid);
+		Datum		values[IDEM_STATS_MAX_COLS];
+		bool		nulls[IDEM_STATS_MAX_COLS];
 		int			j;
 
-		if (slot->dboid == InvalidOid)
+		if (dboid == InvalidOid)
 			continue;
 		memset(nulls, false, sizeof(nulls));
-		values[0] = ObjectIdGetDatum(slot->dboid);
+		values[0] = ObjectIdGetDatum(dboid);
 		for (j = 0; j < IDEM_STAT_NUM; j++)
 			values[j + 1] = Int64GetDatum((int64) pg_atomic_read_u64(&slot->counters[j]));
 		values[IDEM_STAT_NUM + 1] = TimestampTzGetDatum(slot->last_purge);
 		nulls[IDEM_STAT_NUM + 1] = (slot->last_purge == 0);
 		values[IDEM_STAT_NUM + 2] = CStringGetTextDatum(slot->last_error);
 		nulls[IDEM_STAT_NUM + 2] = (slot->last_error[0] == '\0');
+		values[IDEM_STAT_NUM + 3] =
+			Int64GetDatum((int64) pg_atomic_read_u64(&slot->start_failures));
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	LWLockRelease(stats->lock);
@@ -209,14 +391,8 @@ idem_stats_reset(PG_FUNCTION_ARGS)
 
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
-	{
-		int			j;
-
-		for (j = 0; j < IDEM_STAT_NUM; j++)
-			pg_atomic_write_u64(&stats->dbs[i].counters[j], 0);
-		stats->dbs[i].last_purge = 0;
-		stats->dbs[i].last_error[0] = '\0';
-	}
+		slot_clear(&stats->dbs[i]);
+	pg_atomic_write_u64(&stats->start_failures, 0);
 	LWLockRelease(stats->lock);
 	PG_RETURN_VOID();
 }

@@ -30,6 +30,13 @@ typedef enum IdemStat
 extern void idem_stats_shmem_init(void);
 extern void idem_stats_add(IdemStat stat, uint64 n);
 extern void idem_stats_purge_done(Oid dboid, const char *error);
+extern void idem_stats_purge_skipped(Oid dboid, const char *reason);
+extern uint64 idem_stats_start_failed(Oid dboid, const char *reason);
+extern int	idem_stats_databases(Oid *oids);
+extern void idem_stats_forget(Oid dboid);
+
+/* Room idem_stats_databases needs. */
+#define IDEM_STATS_SLOTS	256
 
 #define idem_stats_count(stat)	idem_stats_add((stat), 1)
 

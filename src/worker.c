@@ -12,12 +12,31 @@
  * batch of idem.purge_batch_size rows per transaction, until a batch finds
  * fewer rows than that.
  *
+ * No database can hold the launcher up.  A purge worker overrides, with
+ * the priority autovacuum uses, every setting a database or role could use
+ * to stall it or make it fail: it runs READ COMMITTED, read-write, not
+ * deferrable, without statement, idle or transaction timeouts, and waits
+ * for a lock at most the visit deadline (idem.purge_naptime, at least 5
+ * and at most 60 seconds).  A worker that hits that lock timeout logs it,
+ * records it in idem_stats and exits; the launcher terminates a worker
+ * that is not purging within twice the deadline.  Either way the launcher
+ * goes on with the next database and visits the stuck one again next
+ * pass, after the others.
+ *
  * No process holds a database connection between passes, so DROP DATABASE,
  * ALTER DATABASE ... RENAME and CREATE DATABASE ... TEMPLATE work while the
  * launcher runs.  Those commands wait (up to five seconds) for the other
  * sessions of the database to leave, and take a lock on the database
  * object first; a purge worker checks that lock before each batch and
- * leaves as soon as such a command is waiting.
+ * leaves as soon as such a command is waiting.  The launcher checks that a
+ * database still exists just before starting its worker; a worker that
+ * finds its database dropped while it connects exits quietly.
+ *
+ * When no background worker slot is free (max_worker_processes, shared
+ * with parallel query), the launcher logs and counts the failure and tries
+ * the same database again after 1, 2, 4 ... seconds, at most
+ * idem.purge_naptime apart.  Each pass also frees the idem_stats slots of
+ * dropped databases.
  *
  * A purge worker that fails records its error in idem_stats and exits; the
  * launcher visits the database again next pass.  The launcher itself exits
@@ -31,6 +50,7 @@
 
 #include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/skey.h"
 #include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
@@ -39,12 +59,16 @@
 #include "commands/extension.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "port/atomics.h"
 #include "postmaster/bgworker.h"
 #include "postmaster/interrupt.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "storage/lock.h"
+#include "storage/shmem.h"
 #include "tcop/tcopprot.h"
+#include "utils/elog.h"
+#include "utils/fmgroids.h"
 #include "utils/guc.h"
 #include "utils/memutils.h"
 #include "utils/snapmgr.h"
@@ -57,6 +81,13 @@
 
 /* Seconds before the postmaster starts a failed launcher again. */
 #define IDEM_LAUNCHER_RESTART_SECS	5
+
+/* Bounds of the visit deadline, which is idem.purge_naptime. */
+#define IDEM_VISIT_DEADLINE_MIN_SECS	5
+#define IDEM_VISIT_DEADLINE_MAX_SECS	60
+
+/* First wait before starting a worker again when no slot was free. */
+#define IDEM_START_RETRY_MS		1000
 
 #define IDEM_LAUNCHER_TYPE	"idem launcher"
 #define IDEM_PURGE_TYPE		"idem purge"
@@ -71,6 +102,43 @@ typedef struct IdemDatabase
 	char		name[NAMEDATALEN];
 } IdemDatabase;
 
+/* What the launcher passes a purge worker in bgw_extra. */
+typedef struct PurgeWorkerArgs
+{
+	uint32		visit;			/* number of this visit */
+	char		dbname[NAMEDATALEN];	/* for log lines only */
+} PurgeWorkerArgs;
+
+StaticAssertDecl(sizeof(PurgeWorkerArgs) <= BGW_EXTRALEN,
+				 "PurgeWorkerArgs must fit in bgw_extra");
+
+/* Where a visit stands, as its purge worker reports it. */
+typedef enum VisitState
+{
+	VISIT_STARTING,				/* not yet purging */
+	VISIT_PURGING,				/* connected, idem found, deleting */
+	VISIT_LOCKED,				/* gave up waiting for a lock */
+	VISIT_FINISHED				/* any other end */
+} VisitState;
+
+/* How a visit ended, for the launcher. */
+typedef enum VisitResult
+{
+	VISIT_DONE,					/* the worker ran and exited */
+	VISIT_STUCK,				/* lock timeout, or terminated when overdue */
+	VISIT_NO_SLOT				/* no background worker slot was free */
+} VisitResult;
+
+/*
+ * Shared between the launcher and its purge worker: the visit number in
+ * the high 32 bits, its VisitState in the low ones, so that a worker left
+ * from an earlier launcher cannot report for a later visit.
+ */
+typedef struct IdemPurgeShared
+{
+	pg_atomic_uint64 visit_state;
+} IdemPurgeShared;
+
 /* How one purge batch ended. */
 typedef enum PurgeBatchResult
 {
@@ -81,9 +149,24 @@ typedef enum PurgeBatchResult
 	BATCH_STOPPED				/* purge was disabled meanwhile */
 } PurgeBatchResult;
 
+static IdemPurgeShared *purge_shared = NULL;
+
+static shmem_request_hook_type prev_shmem_request_hook = NULL;
+static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/* Databases whose visit was stuck last pass; visited last.  Launcher only. */
+static List *deferred_dbs = NIL;
+
+/* This purge worker's visit, for its reports to the launcher. */
+static uint32 purge_visit = 0;
+
 /* Work done by this purge worker, for its log line. */
 static int64 purge_deleted = 0;
 static int	purge_batches = 0;
+
+/* True while this purge worker connects to its database. */
+static bool purge_connecting = false;
+static emit_log_hook_type prev_emit_log_hook = NULL;
 
 /* The launcher's wait event while it sleeps between passes. */
 static uint32
@@ -100,11 +183,84 @@ launcher_wait_event(void)
 #endif
 }
 
-/* Register the launcher; called from _PG_init when preloaded. */
+/*
+ * How long a purge worker waits for a lock, and half of how long the
+ * launcher lets it take to start purging: idem.purge_naptime, within
+ * bounds.
+ */
+static int
+visit_deadline_ms(void)
+{
+	int			secs = Min(Max(idem_purge_naptime, IDEM_VISIT_DEADLINE_MIN_SECS),
+						   IDEM_VISIT_DEADLINE_MAX_SECS);
+
+	return secs * 1000;
+}
+
+/* Ask for the launcher's shared state. */
+static void
+worker_shmem_request(void)
+{
+	if (prev_shmem_request_hook)
+		prev_shmem_request_hook();
+	RequestAddinShmemSpace(sizeof(IdemPurgeShared));
+}
+
+/* Create or attach to the launcher's shared state. */
+static void
+worker_shmem_startup(void)
+{
+	bool		found;
+
+	if (prev_shmem_startup_hook)
+		prev_shmem_startup_hook();
+
+	LWLockAcquire(AddinShmemInitLock, LW_EXCLUSIVE);
+	purge_shared = ShmemInitStruct("idem purge", sizeof(IdemPurgeShared),
+								   &found);
+	if (!found)
+		pg_atomic_init_u64(&purge_shared->visit_state, 0);
+	LWLockRelease(AddinShmemInitLock);
+}
+
+/* Report this purge worker's state to the launcher, if its visit is current. */
+static void
+purge_report(VisitState state)
+{
+	uint64		cur = pg_atomic_read_u64(&purge_shared->visit_state);
+
+	while ((uint32) (cur >> 32) == purge_visit)
+	{
+		if (pg_atomic_compare_exchange_u64(&purge_shared->visit_state, &cur,
+										   ((uint64) purge_visit << 32) | state))
+			break;
+	}
+}
+
+/* The state the worker of a visit reported. */
+static VisitState
+visit_state(uint32 visit)
+{
+	uint64		cur = pg_atomic_read_u64(&purge_shared->visit_state);
+
+	if ((uint32) (cur >> 32) != visit)
+		return VISIT_FINISHED;
+	return (VisitState) (cur & 0xFFFFFFFF);
+}
+
+/*
+ * Register the launcher and ask for its shared state; called from _PG_init
+ * when preloaded.
+ */
 void
 idem_worker_register(void)
 {
 	BackgroundWorker worker;
+
+	prev_shmem_request_hook = shmem_request_hook;
+	shmem_request_hook = worker_shmem_request;
+	prev_shmem_startup_hook = shmem_startup_hook;
+	shmem_startup_hook = worker_shmem_startup;
 
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS |
@@ -129,10 +285,43 @@ worker_setup_signals(void)
 	BackgroundWorkerUnblockSignals();
 }
 
+/* Show the process under name in pg_stat_activity. */
 static void
 worker_set_appname(const char *name)
 {
 	SetConfigOption("application_name", name, PGC_USERSET, PGC_S_OVERRIDE);
+}
+
+/* Set a setting over whatever the database, role or file says. */
+static void
+force_setting(const char *name, const char *value)
+{
+	SetConfigOption(name, value, PGC_SUSET, PGC_S_OVERRIDE);
+}
+
+/*
+ * Override the settings that ALTER DATABASE/ROLE ... SET or the
+ * configuration file could use to stall or fail this process's
+ * transactions: SERIALIZABLE READ ONLY DEFERRABLE waits in
+ * GetSafeSnapshot for every serializable transaction in the cluster,
+ * read-only refuses the deletes, and timeouts would cancel them.  Lock
+ * waits are bounded by lock_timeout_ms (0: no bound).
+ */
+static void
+worker_force_settings(int lock_timeout_ms)
+{
+	char		buf[32];
+
+	force_setting("default_transaction_isolation", "read committed");
+	force_setting("default_transaction_read_only", "off");
+	force_setting("default_transaction_deferrable", "off");
+	force_setting("statement_timeout", "0");
+	force_setting("idle_in_transaction_session_timeout", "0");
+#if PG_VERSION_NUM >= 170000
+	force_setting("transaction_timeout", "0");
+#endif
+	snprintf(buf, sizeof(buf), "%d", lock_timeout_ms);
+	force_setting("lock_timeout", buf);
 }
 
 /* Re-read the configuration file if a SIGHUP came in; true if it did. */
@@ -148,15 +337,30 @@ worker_reload_config(void)
 
 /*
  * The databases to visit: those that accept connections and are not
- * templates.  The list and its entries are allocated in cxt.
+ * templates, the ones whose visit was stuck last pass at the end.  The
+ * list and its entries are allocated in cxt.  Also frees the idem_stats
+ * slots of databases that no longer exist.
  */
 static List *
 database_list(MemoryContext cxt)
 {
 	List	   *result = NIL;
+	List	   *later = NIL;
 	Relation	rel;
 	TableScanDesc scan;
 	HeapTuple	tuple;
+	Oid			counted[IDEM_STATS_SLOTS];
+	bool		exists[IDEM_STATS_SLOTS];
+	int			ncounted;
+	int			i;
+
+	/*
+	 * Databases with counters, read before the catalog snapshot: a database
+	 * that has a slot by now was created before it, so the scan sees it
+	 * unless it has been dropped.
+	 */
+	ncounted = idem_stats_databases(counted);
+	memset(exists, false, sizeof(exists));
 
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
@@ -170,6 +374,12 @@ database_list(MemoryContext cxt)
 		MemoryContext old;
 		IdemDatabase *db;
 
+		for (i = 0; i < ncounted; i++)
+		{
+			if (counted[i] == form->oid)
+				exists[i] = true;
+		}
+
 		if (!form->datallowconn || form->datistemplate)
 			continue;
 #ifdef DATCONNLIMIT_INVALID_DB
@@ -182,26 +392,85 @@ database_list(MemoryContext cxt)
 		db = palloc(sizeof(IdemDatabase));
 		db->oid = form->oid;
 		strlcpy(db->name, NameStr(form->datname), NAMEDATALEN);
-		result = lappend(result, db);
+		if (list_member_oid(deferred_dbs, db->oid))
+			later = lappend(later, db);
+		else
+			result = lappend(result, db);
 		MemoryContextSwitchTo(old);
 	}
 	table_endscan(scan);
 	table_close(rel, AccessShareLock);
 
 	CommitTransactionCommand();
-	return result;
+
+	for (i = 0; i < ncounted; i++)
+	{
+		if (!exists[i])
+		{
+			idem_stats_forget(counted[i]);
+			elog(DEBUG1, "idem launcher: freed the statistics of dropped database %u",
+				 counted[i]);
+		}
+	}
+
+	return list_concat(result, later);
 }
 
 /*
- * Start a purge worker for one database and wait until it exits.  Returns
- * false if no worker could be started; the pass should then stop.
+ * Whether a database still exists and accepts connections, checked just
+ * before starting its worker so that a database dropped since the list
+ * was made is skipped instead of failing the worker's connection.
  */
 static bool
-visit_database(IdemDatabase *db)
+database_still_open(Oid dboid)
+{
+	Relation	rel;
+	TableScanDesc scan;
+	HeapTuple	tuple;
+	ScanKeyData key;
+	bool		open = false;
+
+	SetCurrentStatementStartTimestamp();
+	StartTransactionCommand();
+	(void) GetTransactionSnapshot();
+
+	ScanKeyInit(&key, Anum_pg_database_oid, BTEqualStrategyNumber, F_OIDEQ,
+				ObjectIdGetDatum(dboid));
+	rel = table_open(DatabaseRelationId, AccessShareLock);
+	scan = table_beginscan_catalog(rel, 1, &key);
+	tuple = heap_getnext(scan, ForwardScanDirection);
+	if (HeapTupleIsValid(tuple))
+	{
+		Form_pg_database form = (Form_pg_database) GETSTRUCT(tuple);
+
+		open = form->datallowconn && !form->datistemplate;
+#ifdef DATCONNLIMIT_INVALID_DB
+		if (form->datconnlimit == DATCONNLIMIT_INVALID_DB)
+			open = false;
+#endif
+	}
+	table_endscan(scan);
+	table_close(rel, AccessShareLock);
+
+	CommitTransactionCommand();
+	return open;
+}
+
+/*
+ * Start a purge worker for one database and wait until it exits.  A worker
+ * that has not started purging within twice the visit deadline is
+ * terminated (its own lock_timeout normally ends a lock wait before that).
+ */
+static VisitResult
+visit_database(IdemDatabase *db, uint32 visit)
 {
 	BackgroundWorker worker;
 	BackgroundWorkerHandle *handle;
-	BgwHandleStatus status;
+	PurgeWorkerArgs args;
+	TimestampTz started;
+	int			limit_ms = 2 * visit_deadline_ms();
+	bool		terminated = false;
+	VisitResult result = VISIT_DONE;
 
 	memset(&worker, 0, sizeof(worker));
 	worker.bgw_flags = BGWORKER_SHMEM_ACCESS |
@@ -218,25 +487,60 @@ visit_database(IdemDatabase *db)
 			 db->name);
 	strlcpy(worker.bgw_type, IDEM_PURGE_TYPE, BGW_MAXLEN);
 	worker.bgw_main_arg = ObjectIdGetDatum(db->oid);
-	/* The name, for log lines only: the worker finds its database by OID. */
-	strlcpy(worker.bgw_extra, db->name, BGW_EXTRALEN);
+	memset(&args, 0, sizeof(args));
+	args.visit = visit;
+	strlcpy(args.dbname, db->name, NAMEDATALEN);
+	memcpy(worker.bgw_extra, &args, sizeof(args));
 	worker.bgw_notify_pid = MyProcPid;
 
+	pg_atomic_write_u64(&purge_shared->visit_state,
+						((uint64) visit << 32) | VISIT_STARTING);
 	if (!RegisterDynamicBackgroundWorker(&worker, &handle))
-	{
-		ereport(LOG,
-				(errmsg("idem launcher could not start a purge worker for database \"%s\"",
-						db->name),
-				 errdetail("All background worker slots are in use."),
-				 errhint("Raise max_worker_processes; the launcher tries again after idem.purge_naptime.")));
-		return false;
-	}
+		return VISIT_NO_SLOT;
 
-	status = WaitForBackgroundWorkerShutdown(handle);
+	/* The postmaster sets our latch when the worker starts and stops. */
+	started = GetCurrentTimestamp();
+	for (;;)
+	{
+		pid_t		pid;
+		BgwHandleStatus status = GetBackgroundWorkerPid(handle, &pid);
+		long		wait_ms = 1000;
+
+		if (status == BGWH_STOPPED)
+			break;
+		if (status == BGWH_POSTMASTER_DIED)
+			proc_exit(1);
+
+		if (!terminated && visit_state(visit) == VISIT_STARTING)
+		{
+			TimestampTz now = GetCurrentTimestamp();
+			long		elapsed_ms = (long) ((now - started) / 1000);
+
+			if (elapsed_ms >= limit_ms)
+			{
+				ereport(LOG,
+						(errmsg("idem launcher: purge worker for database \"%s\" did not start purging within %d ms; terminating it",
+								db->name, limit_ms),
+						 errdetail("The database is visited again next pass, after the others.")));
+				TerminateBackgroundWorker(handle);
+				terminated = true;
+				result = VISIT_STUCK;
+			}
+			else
+				wait_ms = Min(wait_ms, limit_ms - elapsed_ms);
+		}
+
+		(void) WaitLatch(MyLatch,
+						 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 wait_ms, WAIT_EVENT_BGWORKER_SHUTDOWN);
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+	}
 	pfree(handle);
-	if (status == BGWH_POSTMASTER_DIED)
-		proc_exit(1);
-	return true;
+
+	if (visit_state(visit) == VISIT_LOCKED)
+		result = VISIT_STUCK;
+	return result;
 }
 
 /* Reload the configuration in the launcher, logging the settings it uses. */
@@ -249,24 +553,100 @@ launcher_reload_config(void)
 			 idem_purge_batch_size);
 }
 
-/* One pass: visit every database once, unless purge gets disabled. */
+/* Sleep ms milliseconds in the launcher, or less if its latch is set. */
 static void
-launcher_pass(MemoryContext pass_cxt)
+launcher_sleep(long ms)
 {
-	List	   *dbs;
-	ListCell   *lc;
+	(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+					 ms, launcher_wait_event());
+	ResetLatch(MyLatch);
+	CHECK_FOR_INTERRUPTS();
+}
 
-	pgstat_report_activity(STATE_RUNNING, "idem: purge pass");
-	dbs = database_list(pass_cxt);
-	foreach(lc, dbs)
+/*
+ * Visit one database, starting its worker again while no background worker
+ * slot is free.  Each failure is counted and logged; the waits between
+ * tries double from IDEM_START_RETRY_MS up to idem.purge_naptime.  Gives
+ * up when purge is disabled or the database is gone.
+ */
+static VisitResult
+visit_database_retrying(IdemDatabase *db, uint32 *visit)
+{
+	long		delay_ms = IDEM_START_RETRY_MS;
+
+	for (;;)
 	{
+		VisitResult result;
+		uint64		failures;
+		char		reason[128];
+
 		CHECK_FOR_INTERRUPTS();
 		launcher_reload_config();
+		if (!idem_purge_enabled || !database_still_open(db->oid))
+			return VISIT_DONE;
+
+		result = visit_database(db, ++(*visit));
+		if (result != VISIT_NO_SLOT)
+			return result;
+
+		snprintf(reason, sizeof(reason),
+				 "purge worker not started: all %d background worker slots (max_worker_processes) were in use",
+				 max_worker_processes);
+		failures = idem_stats_start_failed(db->oid, reason);
+		ereport(LOG,
+				(errmsg("idem launcher could not start a purge worker for database \"%s\"",
+						db->name),
+				 errdetail("All %d background worker slots are in use; %llu purge worker starts have failed since the server started.",
+						   max_worker_processes, (unsigned long long) failures),
+				 errhint("Raise max_worker_processes or lower max_parallel_workers; the launcher tries again in %ld ms.",
+						 delay_ms)));
+		launcher_sleep(delay_ms);
+		delay_ms = Min(delay_ms * 2, (long) idem_purge_naptime * 1000);
+	}
+}
+
+/*
+ * One pass: free the statistics of dropped databases and, unless purge is
+ * disabled or the server is a standby, visit every database once.
+ */
+static void
+launcher_pass(MemoryContext pass_cxt, uint32 *visit)
+{
+	List	   *dbs;
+	List	   *stuck = NIL;
+	ListCell   *lc;
+	MemoryContext old;
+
+	dbs = database_list(pass_cxt);
+	if (!idem_purge_enabled)
+	{
+		elog(DEBUG1, "idem launcher: no purge pass, idem.purge_enabled is off");
+		MemoryContextReset(pass_cxt);
+		return;
+	}
+	if (RecoveryInProgress())
+	{
+		elog(DEBUG1, "idem launcher: no purge pass, recovery is in progress");
+		MemoryContextReset(pass_cxt);
+		return;
+	}
+
+	pgstat_report_activity(STATE_RUNNING, "idem: purge pass");
+	foreach(lc, dbs)
+	{
+		IdemDatabase *db = (IdemDatabase *) lfirst(lc);
+
 		if (!idem_purge_enabled)
 			break;
-		if (!visit_database((IdemDatabase *) lfirst(lc)))
-			break;
+		if (visit_database_retrying(db, visit) == VISIT_STUCK)
+		{
+			old = MemoryContextSwitchTo(TopMemoryContext);
+			stuck = lappend_oid(stuck, db->oid);
+			MemoryContextSwitchTo(old);
+		}
 	}
+	list_free(deferred_dbs);
+	deferred_dbs = stuck;
 	MemoryContextReset(pass_cxt);
 	pgstat_report_activity(STATE_IDLE, NULL);
 }
@@ -281,14 +661,18 @@ idem_launcher_main(Datum main_arg)
 {
 	MemoryContext pass_cxt;
 	TimestampTz last_pass = 0;
+	uint32		visit;
 
 	worker_setup_signals();
 	BackgroundWorkerInitializeConnection(NULL, NULL, 0);
 	worker_set_appname(IDEM_LAUNCHER_TYPE);
+	worker_force_settings(0);
 	pgstat_report_activity(STATE_IDLE, NULL);
 
 	pass_cxt = AllocSetContextCreate(TopMemoryContext, "idem launcher pass",
 									 ALLOCSET_DEFAULT_SIZES);
+	/* Go on from the visits of an earlier launcher. */
+	visit = (uint32) (pg_atomic_read_u64(&purge_shared->visit_state) >> 32);
 
 	ereport(LOG, (errmsg("idem launcher started")));
 
@@ -306,12 +690,7 @@ idem_launcher_main(Datum main_arg)
 		if (last_pass == 0 || now >= next_pass)
 		{
 			last_pass = now;
-			if (!idem_purge_enabled)
-				elog(DEBUG1, "idem launcher: no purge pass, idem.purge_enabled is off");
-			else if (RecoveryInProgress())
-				elog(DEBUG1, "idem launcher: no purge pass, recovery is in progress");
-			else
-				launcher_pass(pass_cxt);
+			launcher_pass(pass_cxt, &visit);
 			continue;
 		}
 
@@ -340,7 +719,10 @@ database_lock_available(void)
 	return LockAcquire(&tag, RowExclusiveLock, false, true) != LOCKACQUIRE_NOT_AVAIL;
 }
 
-/* Delete one batch of expired keys in a transaction of its own. */
+/*
+ * Delete one batch of expired keys in a transaction of its own.  Whether
+ * idem is installed is checked before the transaction takes a snapshot.
+ */
 static PurgeBatchResult
 purge_batch(int batch_size)
 {
@@ -353,13 +735,14 @@ purge_batch(int batch_size)
 		CommitTransactionCommand();
 		return BATCH_YIELD;
 	}
-	PushActiveSnapshot(GetTransactionSnapshot());
 	if (!OidIsValid(get_extension_oid("idem", true)))
 	{
-		PopActiveSnapshot();
 		CommitTransactionCommand();
 		return BATCH_NO_EXTENSION;
 	}
+	if (purge_batches == 0)
+		purge_report(VISIT_PURGING);
+	PushActiveSnapshot(GetTransactionSnapshot());
 
 	pgstat_report_activity(STATE_RUNNING, "idem: deleting expired keys");
 	n = idem_purge_batch(idem_now(), batch_size);
@@ -393,11 +776,15 @@ purge_database(void)
 }
 
 /*
- * Run purge_database, and on error record it in idem_stats, log it and
- * exit with status 1.
+ * Run purge_database.  A lock wait that ran out (another session holds a
+ * lock on idem.keys) is logged as such, recorded in idem_stats, and ends
+ * the worker normally: the launcher visits the database again next pass.
+ * On any other error, record it in idem_stats, log it and exit with
+ * status 1.
  */
 static PurgeBatchResult
-purge_database_or_exit(Oid dboid, MemoryContext error_cxt)
+purge_database_or_exit(Oid dboid, const char *dbname,
+					   MemoryContext error_cxt)
 {
 	PurgeBatchResult result = BATCH_STOPPED;
 
@@ -408,15 +795,37 @@ purge_database_or_exit(Oid dboid, MemoryContext error_cxt)
 	PG_CATCH();
 	{
 		ErrorData  *edata;
+		bool		locked;
 
 		HOLD_INTERRUPTS();
 		MemoryContextSwitchTo(error_cxt);
 		edata = CopyErrorData();
-		EmitErrorReport();
+		locked = (edata->sqlerrcode == ERRCODE_LOCK_NOT_AVAILABLE);
+		if (!locked)
+			EmitErrorReport();
 		FlushErrorState();
 		AbortCurrentTransaction();
 		pgstat_report_activity(STATE_IDLE, NULL);
+		if (locked)
+		{
+			char		reason[128];
+
+			snprintf(reason, sizeof(reason),
+					 "purge skipped: a lock was held by another session for more than %d ms",
+					 visit_deadline_ms());
+			idem_stats_purge_skipped(dboid, reason);
+			purge_report(VISIT_LOCKED);
+			ereport(LOG,
+					(errmsg("idem purge: skipped database \"%s\": a lock was held by another session for more than %d ms",
+							dbname, visit_deadline_ms()),
+					 errdetail("A session holds a lock on idem.keys (LOCK TABLE, VACUUM FULL, REINDEX) or a catalog the purge needs; %lld keys were deleted before."
+							   , (long long) purge_deleted),
+					 errhint("The launcher visits the database again next pass, after the others.")));
+			RESUME_INTERRUPTS();
+			proc_exit(0);
+		}
 		idem_stats_purge_done(dboid, edata->message);
+		purge_report(VISIT_FINISHED);
 		RESUME_INTERRUPTS();
 		proc_exit(1);
 	}
@@ -425,45 +834,73 @@ purge_database_or_exit(Oid dboid, MemoryContext error_cxt)
 	return result;
 }
 
+/*
+ * While the worker connects, its database may be dropped (or closed to
+ * connections) after the launcher checked it: the connection then fails
+ * with FATAL.  That is a race, not a problem, so log it only at DEBUG1.
+ */
+static void
+purge_connect_log_hook(ErrorData *edata)
+{
+	if (purge_connecting && edata->elevel == FATAL &&
+		(edata->sqlerrcode == ERRCODE_UNDEFINED_DATABASE ||
+		 edata->sqlerrcode == ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE))
+	{
+		edata->elevel = DEBUG1;
+		edata->output_to_server = message_level_is_interesting(DEBUG1);
+	}
+	if (prev_emit_log_hook)
+		prev_emit_log_hook(edata);
+}
+
 /* Entry point of a purge worker; main_arg is the database's OID. */
 void
 idem_purge_main(Datum main_arg)
 {
 	Oid			dboid = DatumGetObjectId(main_arg);
-	const char *dbname = MyBgworkerEntry->bgw_extra;
+	PurgeWorkerArgs args;
 	MemoryContext error_cxt;
 
+	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
+	purge_visit = args.visit;
+
 	worker_setup_signals();
+	prev_emit_log_hook = emit_log_hook;
+	emit_log_hook = purge_connect_log_hook;
+	purge_connecting = true;
 	BackgroundWorkerInitializeConnectionByOid(dboid, InvalidOid, 0);
+	purge_connecting = false;
 	worker_set_appname(IDEM_PURGE_TYPE);
+	worker_force_settings(visit_deadline_ms());
 
 	/*
 	 * A purge lost in a crash is redone by the next pass, so its batches
 	 * need not wait for their commit records to reach disk.
 	 */
-	SetConfigOption("synchronous_commit", "off", PGC_USERSET, PGC_S_OVERRIDE);
+	force_setting("synchronous_commit", "off");
 
 	error_cxt = AllocSetContextCreate(TopMemoryContext, "idem purge error",
 									  ALLOCSET_DEFAULT_SIZES);
 
-	switch (purge_database_or_exit(dboid, error_cxt))
+	switch (purge_database_or_exit(dboid, args.dbname, error_cxt))
 	{
 		case BATCH_NO_EXTENSION:
 			break;
 		case BATCH_YIELD:
 			elog(DEBUG1, "idem purge: leaving database \"%s\" to a command that waits for it, after %lld keys",
-				 dbname, (long long) purge_deleted);
+				 args.dbname, (long long) purge_deleted);
 			break;
 		case BATCH_STOPPED:
 			elog(DEBUG1, "idem purge: stopped in database \"%s\" after %lld keys",
-				 dbname, (long long) purge_deleted);
+				 args.dbname, (long long) purge_deleted);
 			break;
 		case BATCH_FULL:
 		case BATCH_LAST:
 			idem_stats_purge_done(dboid, NULL);
 			elog(DEBUG1, "idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s)",
-				 (long long) purge_deleted, dbname, purge_batches);
+				 (long long) purge_deleted, args.dbname, purge_batches);
 			break;
 	}
+	purge_report(VISIT_FINISHED);
 	proc_exit(0);
 }
