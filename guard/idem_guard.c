@@ -5,12 +5,28 @@
  *
  * Every server call is one statement in its own transaction (or, when
  * the test clock is moved, one short explicit transaction), sent with
- * PQexecParams-style parameters and waited for with an optional client
- * side timeout.  A claim that cannot be made for any reason makes the
- * outcome UNAVAILABLE and the handler is not run.  After the handler ran,
- * the response is stored with the claim's fencing token; if that fails
- * the outcome stays EXECUTED, the failure is reported and the key stays
- * PROCESSING until its lease ends.
+ * parameters and waited for with an optional client side timeout.  Every
+ * call names the schema of the idem functions and casts every parameter to
+ * the exact type of the function's argument, so that the caller's
+ * search_path and look-alike functions (another schema, or other argument
+ * types such as varchar) cannot capture it.
+ *
+ * A claim that cannot be made for any reason makes the outcome UNAVAILABLE
+ * and the handler is not run.  A statement whose result arrives after the
+ * client timeout fired is used: the cancel came too late to stop it.  A
+ * claim whose statement answered but whose commit was not confirmed (an
+ * error or a lost connection after the answer) is released, as far as the
+ * connection allows, and the outcome is UNAVAILABLE.  After the handler
+ * ran, the response is stored with the claim's fencing token; if that
+ * fails the outcome stays EXECUTED, the failure is reported and the key
+ * stays PROCESSING until its lease ends.
+ *
+ * The claim is read in binary format: bodies arrive as their bytes, with
+ * no escaping, and a body that cannot be copied (out of memory) is a
+ * failure, never an empty replay.  The heartbeat extends the lease every
+ * third of the lease the claim returned (the server's default lease when
+ * lease_ms is 0), and re-makes a lost connection without blocking longer
+ * than one period, so that stopping it never hangs.
  *
  *-------------------------------------------------------------------------
  */
@@ -27,24 +43,46 @@
 #include <sys/socket.h>
 #include <time.h>
 
+/*
+ * The statements, with %s for the quoted schema.  idem_begin's row also
+ * gives the lease in milliseconds, from its lease_until and the clock idem
+ * used (the server clock plus idem.clock_offset).
+ */
 #define SQL_BEGIN \
-	"SELECT claimed, state, token, status, body" \
-	" FROM idem_begin($1, $2, $3::interval, $4::interval, $5, $6::boolean)"
+	"SELECT b.claimed, b.state, b.token, b.status, b.body," \
+	" (pg_catalog.date_part('epoch', b.lease_until OPERATOR(pg_catalog.-)" \
+	" (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)" \
+	" pg_catalog.current_setting('idem.clock_offset')::pg_catalog.interval))" \
+	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
+	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
+	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
+	" $6::pg_catalog.bool) b"
 #define SQL_COMPLETE \
-	"SELECT idem_complete($1, $2, $3::integer, $4::bytea, $5::bigint," \
-	" $6::interval, $7)"
+	"SELECT %s.idem_complete($1::pg_catalog.text, $2::pg_catalog.text," \
+	" $3::pg_catalog.int4, $4::pg_catalog.bytea, $5::pg_catalog.int8," \
+	" $6::pg_catalog.interval, $7::pg_catalog.text)"
 #define SQL_RELEASE \
-	"SELECT idem_release($1, $2::bigint, $3)"
+	"SELECT %s.idem_release($1::pg_catalog.text, $2::pg_catalog.int8," \
+	" $3::pg_catalog.text)"
 #define SQL_EXTEND \
-	"SELECT idem_extend($1, $2::bigint, $3::interval, $4)"
+	"SELECT %s.idem_extend($1::pg_catalog.text, $2::pg_catalog.int8," \
+	" $3::pg_catalog.interval, $4::pg_catalog.text)"
 #define SQL_CLOCK \
-	"SELECT pg_catalog.set_config('idem.clock_offset', $1, true)"
+	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
+	" true)"
 
-/* Heartbeat period when the lease is the server's default (60 s). */
-#define DEFAULT_HEARTBEAT_MS	20000
+/* Room for a statement with its schema. */
+#define SQL_LEN					1024
+
+/* Longest schema name (NAMEDATALEN - 1), and its quoted form's room. */
+#define SCHEMA_MAX				63
+#define QUOTED_SCHEMA_LEN		(2 * SCHEMA_MAX + 3)
 
 /* How long to wait for a cancelled statement before dropping the link. */
 #define CANCEL_GRACE_MS			1000
+
+/* Slice of a heartbeat reconnect's wait, to notice a stop request. */
+#define RECONNECT_SLICE_MS		50
 
 /* Why a server call failed. */
 typedef struct GuardError
@@ -53,6 +91,23 @@ typedef struct GuardError
 	char		message[256];
 } GuardError;
 
+/* One guarded call: its arguments as the statements send them. */
+typedef struct GuardCall
+{
+	PGconn	   *conn;
+	const IdemGuardOptions *opts;
+	const char *key;
+	const char *fingerprint;
+	const char *scope;
+	char		schema[QUOTED_SCHEMA_LEN];	/* quoted */
+	const char *lease;			/* NULL: the server's default */
+	const char *retention;		/* NULL: the server's default */
+	char		lease_buf[32];
+	char		retention_buf[32];
+	char		token[24];		/* of the claim, as text */
+	long		lease_ms;		/* the claim's lease, from its lease_until */
+} GuardCall;
+
 /* A running heartbeat: a thread extending one claim's lease. */
 typedef struct IdemHeartbeat
 {
@@ -60,14 +115,12 @@ typedef struct IdemHeartbeat
 	pthread_mutex_t lock;
 	pthread_cond_t cond;
 	bool		stop;			/* under lock */
+	int			stopping;		/* atomic copy of stop, for reconnects */
 	int			lost;			/* atomic: token superseded or claim gone */
 	int			extends;		/* under lock */
 	PGconn	   *conn;
-	const IdemGuardOptions *opts;
-	const char *key;
-	const char *scope;
-	const char *token;
-	const char *lease;
+	const GuardCall *call;
+	char		lease[32];		/* the lease each extend asks for */
 	int			period_ms;
 	GuardError	err;			/* last failure, under lock */
 } IdemHeartbeat;
@@ -183,21 +236,31 @@ cancel_statement(PGconn *conn)
 }
 
 /*
- * Run one statement with parameters and wait for its result.  Returns the
- * result (tuples or command OK) or NULL with *err set.
+ * Run one statement with parameters and wait for its result, in text or
+ * binary format (result_format 0 or 1).  Returns the statement's result
+ * (tuples or command OK), or NULL with *err set.
+ *
+ * A result that arrives although the timeout fired is returned: the
+ * statement ended before the cancel reached it.  A result followed by an
+ * error (the implicit commit failed, or the connection was lost before
+ * the server confirmed the end of the transaction) is returned with
+ * *uncertain set and *err describing the error: the statement's effect
+ * may or may not have been committed.
  */
 static PGresult *
 run_statement(PGconn *conn, const char *sql, int nparams,
 			  const char *const *values, const int *lengths,
-			  const int *formats, int timeout_ms, GuardError *err)
+			  const int *formats, int result_format, int timeout_ms,
+			  GuardError *err, bool *uncertain)
 {
-	PGresult   *first = NULL;
+	PGresult   *ok = NULL;
+	PGresult   *failed = NULL;
 	PGresult   *res;
 	bool		timed_out = false;
-	ExecStatusType status;
 
+	*uncertain = false;
 	if (!PQsendQueryParams(conn, sql, nparams, NULL, values, lengths,
-						   formats, 0))
+						   formats, result_format))
 	{
 		set_error_text(err, NULL, PQerrorMessage(conn));
 		return NULL;
@@ -207,34 +270,42 @@ run_statement(PGconn *conn, const char *sql, int nparams,
 		timed_out = true;
 		cancel_statement(conn);
 	}
-	/* Keep the first result; an error result may be followed by others. */
+	/* Keep the statement's result and the first error after it. */
 	while ((res = PQgetResult(conn)) != NULL)
 	{
-		if (first == NULL)
-			first = res;
+		ExecStatusType status = PQresultStatus(res);
+
+		if (ok == NULL && failed == NULL &&
+			(status == PGRES_TUPLES_OK || status == PGRES_COMMAND_OK))
+			ok = res;
+		else if (failed == NULL && status != PGRES_TUPLES_OK &&
+				 status != PGRES_COMMAND_OK)
+			failed = res;
 		else
 			PQclear(res);
 	}
-	if (timed_out)
+	if (failed != NULL)
 	{
-		PQclear(first);
-		set_error(err, "statement timed out after %d ms", timeout_ms);
-		return NULL;
+		if (timed_out && ok == NULL)
+			set_error(err, "statement timed out after %d ms", timeout_ms);
+		else
+			set_error_text(err, PQresultErrorField(failed, PG_DIAG_SQLSTATE),
+						   PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) ?
+						   PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) :
+						   PQresultErrorMessage(failed));
+		PQclear(failed);
+		if (ok != NULL)
+			*uncertain = true;
+		return ok;
 	}
-	if (first == NULL)
+	if (ok == NULL)
 	{
-		set_error_text(err, NULL, PQerrorMessage(conn));
-		return NULL;
+		if (timed_out)
+			set_error(err, "statement timed out after %d ms", timeout_ms);
+		else
+			set_error_text(err, NULL, PQerrorMessage(conn));
 	}
-	status = PQresultStatus(first);
-	if (status == PGRES_TUPLES_OK || status == PGRES_COMMAND_OK)
-		return first;
-	set_error_text(err, PQresultErrorField(first, PG_DIAG_SQLSTATE),
-				   PQresultErrorField(first, PG_DIAG_MESSAGE_PRIMARY) ?
-				   PQresultErrorField(first, PG_DIAG_MESSAGE_PRIMARY) :
-				   PQresultErrorMessage(first));
-	PQclear(first);
-	return NULL;
+	return ok;
 }
 
 /* Run a statement that must succeed for the guard to go on; drop its result. */
@@ -242,29 +313,33 @@ static bool
 run_command(PGconn *conn, const char *sql, int nparams,
 			const char *const *values, int timeout_ms, GuardError *err)
 {
+	bool		uncertain;
 	PGresult   *res = run_statement(conn, sql, nparams, values, NULL, NULL,
-									timeout_ms, err);
+									0, timeout_ms, err, &uncertain);
 
 	PQclear(res);
-	return res != NULL;
+	return res != NULL && !uncertain;
 }
 
 /*
  * Run one guard statement in its own transaction: as a single statement,
  * or, with a test clock offset, between BEGIN and COMMIT after setting
  * idem.clock_offset for that transaction only.  Returns the result or
- * NULL with *err set.
+ * NULL with *err set; *uncertain as for run_statement (with an offset: the
+ * statement answered but its COMMIT did not).
  */
 static PGresult *
 guard_exec(PGconn *conn, const IdemGuardOptions *opts, const char *sql,
 		   int nparams, const char *const *values, const int *lengths,
-		   const int *formats, GuardError *err)
+		   const int *formats, int result_format, GuardError *err,
+		   bool *uncertain)
 {
 	PGresult   *res;
 	char		offset[16];
 	const char *clock_values[1];
 	GuardError	ignored;
 
+	*uncertain = false;
 	if (conn == NULL || PQstatus(conn) != CONNECTION_OK)
 	{
 		set_error_text(err, NULL, conn ? PQerrorMessage(conn) :
@@ -278,7 +353,7 @@ guard_exec(PGconn *conn, const IdemGuardOptions *opts, const char *sql,
 	}
 	if (opts->clock_offset_s == 0)
 		return run_statement(conn, sql, nparams, values, lengths, formats,
-							 opts->timeout_ms, err);
+							 result_format, opts->timeout_ms, err, uncertain);
 
 	snprintf(offset, sizeof(offset), "%d", opts->clock_offset_s);
 	clock_values[0] = offset;
@@ -287,19 +362,45 @@ guard_exec(PGconn *conn, const IdemGuardOptions *opts, const char *sql,
 	if (run_command(conn, SQL_CLOCK, 1, clock_values, opts->timeout_ms, err))
 	{
 		res = run_statement(conn, sql, nparams, values, lengths, formats,
-							opts->timeout_ms, err);
-		if (res != NULL)
+							result_format, opts->timeout_ms, err, uncertain);
+		if (res != NULL && !*uncertain)
 		{
-			if (run_command(conn, "COMMIT", 0, NULL, opts->timeout_ms, err))
-				return res;
-			PQclear(res);
-			return NULL;
+			if (!run_command(conn, "COMMIT", 0, NULL, opts->timeout_ms, err))
+				*uncertain = true;
+			return res;
 		}
+		/* Inside a transaction, a statement's error rolls it back. */
+		PQclear(res);
+		*uncertain = false;
 	}
 	if (PQstatus(conn) == CONNECTION_OK &&
 		PQtransactionStatus(conn) != PQTRANS_IDLE)
 		run_command(conn, "ROLLBACK", 0, NULL, opts->timeout_ms, &ignored);
 	return NULL;
+}
+
+/*
+ * Run one statement of a guarded call that must have ended for sure: a
+ * result whose commit is uncertain counts as a failure.  Text results.
+ */
+static PGresult *
+call_exec(PGconn *conn, const GuardCall *gc, const char *sql_fmt,
+		  int nparams, const char *const *values, const int *lengths,
+		  const int *formats, GuardError *err)
+{
+	char		sql[SQL_LEN];
+	bool		uncertain;
+	PGresult   *res;
+
+	snprintf(sql, sizeof(sql), sql_fmt, gc->schema);
+	res = guard_exec(conn, gc->opts, sql, nparams, values, lengths, formats,
+					 0, err, &uncertain);
+	if (res != NULL && uncertain)
+	{
+		PQclear(res);
+		return NULL;
+	}
+	return res;
 }
 
 /* Record a failed step in the result. */
@@ -325,17 +426,17 @@ fault_fires(const IdemGuardOptions *opts, const char *op, GuardError *err)
 static bool
 heartbeat_extend(IdemHeartbeat *hb, GuardError *err)
 {
+	const GuardCall *gc = hb->call;
 	const char *values[4];
 	PGresult   *res;
 
-	if (fault_fires(hb->opts, "extend", err))
+	if (fault_fires(gc->opts, "extend", err))
 		return false;
-	values[0] = hb->key;
-	values[1] = hb->token;
+	values[0] = gc->key;
+	values[1] = gc->token;
 	values[2] = hb->lease;
-	values[3] = hb->scope;
-	res = guard_exec(hb->conn, hb->opts, SQL_EXTEND, 4, values, NULL, NULL,
-					 err);
+	values[3] = gc->scope;
+	res = call_exec(hb->conn, gc, SQL_EXTEND, 4, values, NULL, NULL, err);
 	PQclear(res);
 	return res != NULL;
 }
@@ -347,6 +448,44 @@ claim_gone(const GuardError *err)
 	return strcmp(err->sqlstate, "ID002") == 0 ||
 		strcmp(err->sqlstate, "ID003") == 0 ||
 		strcmp(err->sqlstate, "ID004") == 0;
+}
+
+/*
+ * Re-make the heartbeat's lost connection without blocking: give up after
+ * one period or as soon as the heartbeat is being stopped (the next beat
+ * tries again).  A host name is still resolved without a bound; use
+ * hostaddr to avoid that.
+ */
+static void
+heartbeat_reconnect(IdemHeartbeat *hb)
+{
+	struct timespec deadline;
+	PostgresPollingStatusType st = PGRES_POLLING_WRITING;
+
+	clock_gettime(CLOCK_MONOTONIC, &deadline);
+	add_ms(&deadline, hb->period_ms);
+	if (!PQresetStart(hb->conn))
+		return;
+	while (st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED)
+	{
+		struct pollfd pfd;
+		long		remaining = ms_until(&deadline);
+		int			rc;
+
+		if (remaining <= 0 || __atomic_load_n(&hb->stopping, __ATOMIC_SEQ_CST))
+			return;
+		pfd.fd = PQsocket(hb->conn);
+		if (pfd.fd < 0)
+			return;
+		pfd.events = (st == PGRES_POLLING_READING) ? POLLIN : POLLOUT;
+		pfd.revents = 0;
+		rc = poll(&pfd, 1, (int) (remaining < RECONNECT_SLICE_MS ?
+								  remaining : RECONNECT_SLICE_MS));
+		if (rc < 0 && errno != EINTR)
+			return;
+		if (rc > 0)
+			st = PQresetPoll(hb->conn);
+	}
 }
 
 /* Heartbeat thread: extend every period until stopped or the claim is lost. */
@@ -372,8 +511,8 @@ heartbeat_main(void *arg)
 		pthread_mutex_unlock(&hb->lock);
 
 		ok = heartbeat_extend(hb, &err);
-		if (!ok && PQstatus(hb->conn) == CONNECTION_BAD)
-			PQreset(hb->conn);
+		if (!ok && PQstatus(hb->conn) != CONNECTION_OK)
+			heartbeat_reconnect(hb);
 
 		pthread_mutex_lock(&hb->lock);
 		if (ok)
@@ -393,13 +532,12 @@ heartbeat_main(void *arg)
 }
 
 /*
- * Connect and start the heartbeat for a claim.  Returns NULL with *err
- * set if the connection or the thread cannot be made.
+ * Connect and start the heartbeat for the claim of gc: every third of the
+ * claim's lease, extend it by that lease.  Returns NULL with *err set if
+ * the connection or the thread cannot be made.
  */
 static IdemHeartbeat *
-heartbeat_start(const IdemGuardOptions *opts, const char *key,
-				const char *scope, const char *token, const char *lease,
-				GuardError *err)
+heartbeat_start(const GuardCall *gc, GuardError *err)
 {
 	IdemHeartbeat *hb = calloc(1, sizeof(IdemHeartbeat));
 	pthread_condattr_t attr;
@@ -409,7 +547,7 @@ heartbeat_start(const IdemGuardOptions *opts, const char *key,
 		set_error(err, "out of memory");
 		return NULL;
 	}
-	hb->conn = PQconnectdb(opts->heartbeat_conninfo);
+	hb->conn = PQconnectdb(gc->opts->heartbeat_conninfo);
 	if (PQstatus(hb->conn) != CONNECTION_OK)
 	{
 		set_error_text(err, NULL, PQerrorMessage(hb->conn));
@@ -417,12 +555,9 @@ heartbeat_start(const IdemGuardOptions *opts, const char *key,
 		free(hb);
 		return NULL;
 	}
-	hb->opts = opts;
-	hb->key = key;
-	hb->scope = scope;
-	hb->token = token;
-	hb->lease = lease;
-	hb->period_ms = opts->lease_ms > 0 ? opts->lease_ms / 3 : DEFAULT_HEARTBEAT_MS;
+	hb->call = gc;
+	snprintf(hb->lease, sizeof(hb->lease), "%ld milliseconds", gc->lease_ms);
+	hb->period_ms = (int) (gc->lease_ms / 3);
 	if (hb->period_ms < 1)
 		hb->period_ms = 1;
 	pthread_mutex_init(&hb->lock, NULL);
@@ -446,6 +581,7 @@ heartbeat_start(const IdemGuardOptions *opts, const char *key,
 static void
 heartbeat_stop(IdemHeartbeat *hb, IdemResult *res)
 {
+	__atomic_store_n(&hb->stopping, 1, __ATOMIC_SEQ_CST);
 	pthread_mutex_lock(&hb->lock);
 	hb->stop = true;
 	pthread_cond_signal(&hb->cond);
@@ -460,21 +596,20 @@ heartbeat_stop(IdemHeartbeat *hb, IdemResult *res)
 	free(hb);
 }
 
-/* Give up a claim with idem_release; returns true if the key is free. */
+/* Give up the claim with idem_release; returns true if the key is free. */
 static bool
-release_claim(PGconn *conn, const IdemGuardOptions *opts, const char *key,
-			  const char *scope, const char *token, GuardError *err)
+release_claim(const GuardCall *gc, GuardError *err)
 {
 	const char *values[3];
 	PGresult   *res;
 	bool		released;
 
-	if (fault_fires(opts, "release", err))
+	if (fault_fires(gc->opts, "release", err))
 		return false;
-	values[0] = key;
-	values[1] = token;
-	values[2] = scope;
-	res = guard_exec(conn, opts, SQL_RELEASE, 3, values, NULL, NULL, err);
+	values[0] = gc->key;
+	values[1] = gc->token;
+	values[2] = gc->scope;
+	res = call_exec(gc->conn, gc, SQL_RELEASE, 3, values, NULL, NULL, err);
 	if (res == NULL)
 		return false;
 	released = PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "t") == 0;
@@ -486,9 +621,7 @@ release_claim(PGconn *conn, const IdemGuardOptions *opts, const char *key,
 
 /* Store the handler's response with idem_complete and the claim's token. */
 static bool
-complete_claim(PGconn *conn, const IdemGuardOptions *opts, const char *key,
-			   const char *fingerprint, const char *scope, const char *token,
-			   const char *retention, const IdemResponse *resp,
+complete_claim(const GuardCall *gc, const IdemResponse *resp,
 			   GuardError *err)
 {
 	const char *values[7];
@@ -497,40 +630,284 @@ complete_claim(PGconn *conn, const IdemGuardOptions *opts, const char *key,
 	char		status[16];
 	PGresult   *res;
 
-	if (fault_fires(opts, "complete", err))
+	if (fault_fires(gc->opts, "complete", err))
 		return false;
 	snprintf(status, sizeof(status), "%d", resp->status);
-	values[0] = key;
-	values[1] = fingerprint;
+	values[0] = gc->key;
+	values[1] = gc->fingerprint;
 	values[2] = status;
 	values[3] = (const char *) resp->body;
 	lengths[3] = (int) resp->body_len;
-	values[4] = token;
-	values[5] = retention;
-	values[6] = scope;
-	res = guard_exec(conn, opts, SQL_COMPLETE, 7, values, lengths, formats,
-					 err);
+	values[4] = gc->token;
+	values[5] = gc->retention;
+	values[6] = gc->scope;
+	res = call_exec(gc->conn, gc, SQL_COMPLETE, 7, values, lengths, formats,
+					err);
 	PQclear(res);
 	return res != NULL;
 }
 
-/* Copy a stored response out of an idem_begin row. */
-static void
-copy_response(PGresult *row, IdemResponse *resp)
+/* A binary boolean of the claim row; false if NULL or malformed. */
+static bool
+row_bool(const PGresult *row, int col)
 {
-	resp->status = PQgetisnull(row, 0, 3) ? 0 : atoi(PQgetvalue(row, 0, 3));
-	if (!PQgetisnull(row, 0, 4))
-	{
-		size_t		len;
-		unsigned char *raw = PQunescapeBytea((const unsigned char *)
-											 PQgetvalue(row, 0, 4), &len);
+	return !PQgetisnull(row, 0, col) && PQgetlength(row, 0, col) == 1 &&
+		PQgetvalue(row, 0, col)[0] != 0;
+}
 
-		if (raw != NULL)
-		{
-			idem_response_set(resp, resp->status, raw, len);
-			PQfreemem(raw);
-		}
+/* A binary integer of n bytes (4 or 8) of the claim row; false if NULL. */
+static bool
+row_int(const PGresult *row, int col, int n, int64_t *value)
+{
+	const unsigned char *p;
+	uint64_t	v = 0;
+	int			i;
+
+	if (PQgetisnull(row, 0, col) || PQgetlength(row, 0, col) != n)
+		return false;
+	p = (const unsigned char *) PQgetvalue(row, 0, col);
+	for (i = 0; i < n; i++)
+		v = (v << 8) | p[i];
+	*value = (n == 4) ? (int64_t) (int32_t) (uint32_t) v : (int64_t) v;
+	return true;
+}
+
+/*
+ * Copy the stored response out of a claim row (binary: the body is its
+ * bytes).  Returns false, leaving resp empty, if memory ran out.
+ */
+static bool
+copy_response(const GuardCall *gc, const PGresult *row, IdemResponse *resp)
+{
+	int64_t		status = 0;
+	GuardError	ignored;
+
+	(void) row_int(row, 3, 4, &status);
+	if (fault_fires(gc->opts, "replay", &ignored))
+		return false;
+	if (PQgetisnull(row, 0, 4))
+		return idem_response_set(resp, (int) status, NULL, 0) == 0;
+	return idem_response_set(resp, (int) status, PQgetvalue(row, 0, 4),
+							 (size_t) PQgetlength(row, 0, 4)) == 0;
+}
+
+/*
+ * Prepare a guarded call: defaults, the quoted schema, and the lease and
+ * retention as the statements send them.  False with *err set if the
+ * schema name is too long.
+ */
+static bool
+call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
+		  const char *key, const char *fingerprint, GuardError *err)
+{
+	const char *schema = (opts->schema && *opts->schema) ? opts->schema :
+		"public";
+	size_t		i;
+	size_t		n = 0;
+
+	memset(gc, 0, sizeof(GuardCall));
+	gc->conn = conn;
+	gc->opts = opts;
+	gc->key = key;
+	gc->fingerprint = fingerprint;
+	gc->scope = opts->scope ? opts->scope : "";
+	if (strlen(schema) > SCHEMA_MAX)
+	{
+		set_error(err, "schema name \"%.63s...\" is longer than %d bytes",
+				  schema, SCHEMA_MAX);
+		return false;
 	}
+	/* A quoted identifier: any name, no search_path, no case folding. */
+	gc->schema[n++] = '"';
+	for (i = 0; schema[i] != '\0'; i++)
+	{
+		if (schema[i] == '"')
+			gc->schema[n++] = '"';
+		gc->schema[n++] = schema[i];
+	}
+	gc->schema[n++] = '"';
+	gc->schema[n] = '\0';
+	if (opts->lease_ms > 0)
+	{
+		snprintf(gc->lease_buf, sizeof(gc->lease_buf), "%d milliseconds",
+				 opts->lease_ms);
+		gc->lease = gc->lease_buf;
+	}
+	if (opts->retention_ms > 0)
+	{
+		snprintf(gc->retention_buf, sizeof(gc->retention_buf),
+				 "%d milliseconds", opts->retention_ms);
+		gc->retention = gc->retention_buf;
+	}
+	return true;
+}
+
+/*
+ * Claim the key.  Returns true if the call holds the claim (token and
+ * lease set in gc and res); otherwise res->outcome says what happened:
+ * REPLAYED, CONFLICT, IN_FLIGHT, or UNAVAILABLE with the failed step.
+ */
+static bool
+guard_claim(GuardCall *gc, IdemResult *res)
+{
+	const char *values[6];
+	char		sql[SQL_LEN];
+	PGresult   *row;
+	GuardError	err;
+	bool		uncertain;
+	int64_t		token;
+	int64_t		lease_ms;
+	const char *state;
+
+	/* Any failure means no dedup protection, so do not run. */
+	res->outcome = IDEM_UNAVAILABLE;
+	if (fault_fires(gc->opts, "begin", &err))
+	{
+		fail_step(res, IDEM_STEP_BEGIN, &err);
+		return false;
+	}
+	values[0] = gc->key;
+	values[1] = gc->fingerprint;
+	values[2] = gc->lease;
+	values[3] = gc->retention;
+	values[4] = gc->scope;
+	values[5] = gc->opts->wait ? "true" : "false";
+	snprintf(sql, sizeof(sql), SQL_BEGIN, gc->schema);
+	row = guard_exec(gc->conn, gc->opts, sql, 6, values, NULL, NULL, 1, &err,
+					 &uncertain);
+	if (row == NULL)
+	{
+		fail_step(res, IDEM_STEP_BEGIN, &err);
+		return false;
+	}
+	if (PQntuples(row) != 1 || PQnfields(row) != 6 ||
+		PQgetisnull(row, 0, 1))
+	{
+		PQclear(row);
+		set_error(&err, "idem_begin returned an unexpected result");
+		fail_step(res, IDEM_STEP_BEGIN, &err);
+		return false;
+	}
+
+	state = PQgetvalue(row, 0, 1);
+	if (!row_bool(row, 0))
+	{
+		if (strcmp(state, "DONE") == 0)
+		{
+			if (copy_response(gc, row, &res->resp))
+				res->outcome = IDEM_REPLAYED;
+			else
+			{
+				set_error(&err, "out of memory copying the stored response");
+				fail_step(res, IDEM_STEP_REPLAY, &err);
+			}
+		}
+		else if (strcmp(state, "CONFLICT") == 0)
+			res->outcome = IDEM_CONFLICT;
+		else
+			res->outcome = IDEM_IN_FLIGHT;
+		PQclear(row);
+		return false;
+	}
+
+	if (!row_int(row, 2, 8, &token) || !row_int(row, 5, 8, &lease_ms))
+	{
+		PQclear(row);
+		set_error(&err, "idem_begin returned a claim without token or lease");
+		fail_step(res, IDEM_STEP_BEGIN, &err);
+		return false;
+	}
+	PQclear(row);
+	res->token = token;
+	snprintf(gc->token, sizeof(gc->token), "%" PRId64, token);
+	gc->lease_ms = (long) (lease_ms > 0 ? lease_ms : 1);
+
+	if (uncertain)
+	{
+		/* Claimed, but maybe not committed: give it up, do not run. */
+		GuardError	rerr;
+
+		res->released = release_claim(gc, &rerr);
+		snprintf(res->message, sizeof(res->message),
+				 "claim not confirmed (%.150s); %s", err.message,
+				 res->released ? "released" : "not released");
+		memcpy(res->sqlstate, err.sqlstate, sizeof(res->sqlstate));
+		res->failed = IDEM_STEP_BEGIN;
+		return false;
+	}
+	return true;
+}
+
+/*
+ * Run the handler under the claim, with the heartbeat if asked for.
+ * Returns false (outcome UNAVAILABLE, claim released) if the heartbeat
+ * could not start; otherwise sets *herr to the handler's return value.
+ */
+static bool
+guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
+		  int *herr)
+{
+	IdemClaim	claim;
+	IdemHeartbeat *hb = NULL;
+	GuardError	err;
+
+	claim.key = gc->key;
+	claim.scope = gc->scope;
+	claim.token = res->token;
+	claim.heartbeat = NULL;
+
+	/* A long handler without its heartbeat could lose the key: give up. */
+	if (gc->opts->heartbeat_conninfo != NULL)
+	{
+		hb = heartbeat_start(gc, &err);
+		if (hb == NULL)
+		{
+			GuardError	rerr;
+
+			fail_step(res, IDEM_STEP_HEARTBEAT, &err);
+			res->released = release_claim(gc, &rerr);
+			return false;
+		}
+		claim.heartbeat = hb;
+	}
+
+	res->outcome = IDEM_EXECUTED;
+	*herr = handler(&claim, arg, &res->resp);
+	if (hb != NULL)
+		heartbeat_stop(hb, res);
+	return true;
+}
+
+/*
+ * After the handler: release the claim if it failed (unless told to keep
+ * it), or store its response.
+ */
+static void
+guard_finish(GuardCall *gc, int herr, IdemResult *res)
+{
+	GuardError	err;
+
+	if (herr != 0)
+	{
+		GuardError	rerr;
+
+		set_error(&err, "handler failed (%d)", herr);
+		fail_step(res, IDEM_STEP_HANDLER, &err);
+		if (gc->opts->keep_claim_on_error)
+			return;
+		res->released = release_claim(gc, &rerr);
+		if (!res->released)
+		{
+			memcpy(res->sqlstate, rerr.sqlstate, sizeof(res->sqlstate));
+			snprintf(res->message, sizeof(res->message),
+					 "handler failed (%d); release failed: %.200s",
+					 herr, rerr.message);
+		}
+		return;
+	}
+
+	if (!complete_claim(gc, &res->resp, &err))
+		fail_step(res, IDEM_STEP_COMPLETE, &err);
 }
 
 /* Fill opts with the defaults. */
@@ -559,19 +936,9 @@ idem_guard_do_opts(PGconn *conn, const IdemGuardOptions *opts,
 				   IdemHandler handler, void *arg, IdemResult *res)
 {
 	IdemGuardOptions defaults;
-	const char *scope;
-	char		lease_buf[32];
-	char		retention_buf[32];
-	char		token_buf[24];
-	const char *lease = NULL;
-	const char *retention = NULL;
-	const char *values[6];
-	PGresult   *row;
+	GuardCall	gc;
 	GuardError	err;
-	IdemClaim	claim;
-	IdemHeartbeat *hb = NULL;
-	int			herr;
-	const char *state;
+	int			herr = 0;
 
 	if (opts == NULL)
 	{
@@ -579,115 +946,14 @@ idem_guard_do_opts(PGconn *conn, const IdemGuardOptions *opts,
 		opts = &defaults;
 	}
 	memset(res, 0, sizeof(IdemResult));
-	scope = opts->scope ? opts->scope : "";
-	if (opts->lease_ms > 0)
-	{
-		snprintf(lease_buf, sizeof(lease_buf), "%d milliseconds", opts->lease_ms);
-		lease = lease_buf;
-	}
-	if (opts->retention_ms > 0)
-	{
-		snprintf(retention_buf, sizeof(retention_buf), "%d milliseconds",
-				 opts->retention_ms);
-		retention = retention_buf;
-	}
-
-	/* Claim: any failure means no dedup protection, so do not run. */
 	res->outcome = IDEM_UNAVAILABLE;
-	if (fault_fires(opts, "begin", &err))
+	if (!call_init(&gc, conn, opts, key, fingerprint, &err))
 	{
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return res->outcome;
 	}
-	values[0] = key;
-	values[1] = fingerprint;
-	values[2] = lease;
-	values[3] = retention;
-	values[4] = scope;
-	values[5] = opts->wait ? "true" : "false";
-	row = guard_exec(conn, opts, SQL_BEGIN, 6, values, NULL, NULL, &err);
-	if (row == NULL)
-	{
-		fail_step(res, IDEM_STEP_BEGIN, &err);
-		return res->outcome;
-	}
-	if (PQntuples(row) != 1 || PQnfields(row) != 5)
-	{
-		PQclear(row);
-		set_error(&err, "idem_begin returned an unexpected result");
-		fail_step(res, IDEM_STEP_BEGIN, &err);
-		return res->outcome;
-	}
-
-	state = PQgetvalue(row, 0, 1);
-	if (strcmp(PQgetvalue(row, 0, 0), "t") != 0)
-	{
-		if (strcmp(state, "DONE") == 0)
-		{
-			copy_response(row, &res->resp);
-			res->outcome = IDEM_REPLAYED;
-		}
-		else if (strcmp(state, "CONFLICT") == 0)
-			res->outcome = IDEM_CONFLICT;
-		else
-			res->outcome = IDEM_IN_FLIGHT;
-		PQclear(row);
-		return res->outcome;
-	}
-	res->token = strtoll(PQgetvalue(row, 0, 2), NULL, 10);
-	snprintf(token_buf, sizeof(token_buf), "%" PRId64, res->token);
-	PQclear(row);
-
-	claim.key = key;
-	claim.scope = scope;
-	claim.token = res->token;
-	claim.heartbeat = NULL;
-
-	/* A long handler without its heartbeat could lose the key: give up. */
-	if (opts->heartbeat_conninfo != NULL)
-	{
-		hb = heartbeat_start(opts, key, scope, token_buf, lease, &err);
-		if (hb == NULL)
-		{
-			GuardError	rerr;
-
-			fail_step(res, IDEM_STEP_HEARTBEAT, &err);
-			res->released = release_claim(conn, opts, key, scope, token_buf,
-										  &rerr);
-			return res->outcome;
-		}
-		claim.heartbeat = hb;
-	}
-
-	res->outcome = IDEM_EXECUTED;
-	herr = handler(&claim, arg, &res->resp);
-	if (hb != NULL)
-		heartbeat_stop(hb, res);
-
-	if (herr != 0)
-	{
-		GuardError	rerr;
-
-		set_error(&err, "handler failed (%d)", herr);
-		fail_step(res, IDEM_STEP_HANDLER, &err);
-		if (!opts->keep_claim_on_error)
-		{
-			res->released = release_claim(conn, opts, key, scope, token_buf,
-										  &rerr);
-			if (!res->released)
-			{
-				memcpy(res->sqlstate, rerr.sqlstate, sizeof(res->sqlstate));
-				snprintf(res->message, sizeof(res->message),
-						 "handler failed (%d); release failed: %.200s",
-						 herr, rerr.message);
-			}
-		}
-		return res->outcome;
-	}
-
-	if (!complete_claim(conn, opts, key, fingerprint, scope, token_buf,
-						retention, &res->resp, &err))
-		fail_step(res, IDEM_STEP_COMPLETE, &err);
+	if (guard_claim(&gc, res) && guard_run(&gc, handler, arg, res, &herr))
+		guard_finish(&gc, herr, res);
 	return res->outcome;
 }
 
@@ -763,6 +1029,8 @@ idem_step_name(IdemStep step)
 			return "handler";
 		case IDEM_STEP_COMPLETE:
 			return "complete";
+		case IDEM_STEP_REPLAY:
+			return "replay";
 	}
 	return "?";
 }

@@ -46,7 +46,9 @@ typedef enum IdemStep
 	IDEM_STEP_BEGIN,			/* claim failed: outcome UNAVAILABLE */
 	IDEM_STEP_HEARTBEAT,		/* heartbeat connection failed: UNAVAILABLE */
 	IDEM_STEP_HANDLER,			/* handler returned an error */
-	IDEM_STEP_COMPLETE			/* response not stored: key stays PROCESSING */
+	IDEM_STEP_COMPLETE,			/* response not stored: key stays PROCESSING */
+	IDEM_STEP_REPLAY			/* stored response could not be copied (out
+								 * of memory): outcome UNAVAILABLE */
 } IdemStep;
 
 /* A response: status and body (malloc'd, may be NULL). */
@@ -79,13 +81,17 @@ typedef int (*IdemHandler) (const IdemClaim *claim, void *arg,
  * Fault hook for tests, like the Go MemoryStore.Fault: called before each
  * server call with op "begin", "complete", "release" or "extend"; a
  * non-zero return makes that call fail as if the server did not answer.
+ * Also called with op "replay" before a stored response is copied: a
+ * non-zero return makes the copy fail as if memory ran out.
  */
 typedef int (*IdemFaultHook) (void *fault_arg, const char *op);
 
 /* Options; set with idem_guard_options_init, then change fields. */
 typedef struct IdemGuardOptions
 {
-	int			lease_ms;		/* 0: server's idem.default_lease */
+	int			lease_ms;		/* 0: server's idem.default_lease (the
+								 * heartbeat uses the lease the claim
+								 * returned either way) */
 	int			retention_ms;	/* 0: server's idem.default_retention */
 	const char *scope;			/* NULL or "": the default scope */
 	bool		wait;			/* wait for an uncommitted claim (default) */
@@ -94,12 +100,19 @@ typedef struct IdemGuardOptions
 										 * idem_release */
 	int			timeout_ms;		/* per statement; 0: none */
 	const char *heartbeat_conninfo;	/* non-NULL: extend the lease every
-									 * third of it on this connection */
+									 * third of it on this connection; a
+									 * lost connection is re-made within
+									 * one period */
 	int			clock_offset_s; /* tests: SET LOCAL idem.clock_offset
 								 * (superuser) on every call, like the Go
 								 * Guard.Now hook */
 	IdemFaultHook fault;
 	void	   *fault_arg;
+	const char *schema;			/* schema of the idem functions; NULL or "":
+								 * "public".  Every call names it and casts
+								 * every argument to its exact type, so no
+								 * function in another schema or with other
+								 * argument types is called instead. */
 } IdemGuardOptions;
 
 /* What idem_guard_do tells the caller. */
@@ -112,7 +125,9 @@ typedef struct IdemResult
 	char		sqlstate[6];	/* of the failure; "" for connection loss,
 								 * timeout or injected fault */
 	char		message[256];	/* of the failure */
-	bool		released;		/* handler error: claim given up */
+	bool		released;		/* claim given up: handler error, heartbeat
+								 * not started, or claim whose commit was
+								 * not confirmed */
 	bool		superseded;		/* heartbeat found the token superseded */
 	int			extends;		/* successful heartbeats */
 } IdemResult;

@@ -12,12 +12,17 @@
  *
  *-------------------------------------------------------------------------
  */
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #include "idem_guard.h"
 
@@ -560,9 +565,9 @@ test_complete_failures(void)
 }
 
 /*
- * "during" step: wait until the heartbeat has moved the lease and the
- * first lease is over by the server's clock, then let another caller
- * try the key.
+ * "during" step: wait until the first lease is over by the server's
+ * clock, check that the heartbeat has moved the lease beyond now, then at
+ * once let another caller try the key.
  */
 static void
 during_outlive_lease(Ctx *ctx, const IdemClaim *claim)
@@ -580,19 +585,24 @@ during_outlive_lease(Ctx *ctx, const IdemClaim *claim)
 	for (i = 0; i < POLL_LIMIT; i++)
 	{
 		char	   *v = query_value(admin,
-									"SELECT clock_timestamp() > $1::timestamptz"
-									" AND lease_until > $1::timestamptz"
-									" FROM idem.keys WHERE key = $2 AND scope = $3",
-									3, cmp);
+									"SELECT clock_timestamp() > $1::timestamptz",
+									1, cmp);
 		bool		done = strcmp(v, "t") == 0;
 
 		free(v);
 		if (done)
-		{
-			ctx->flag = true;
 			break;
-		}
 		sleep_ms(10);
+	}
+	/* The first lease is over: it must have been extended by now. */
+	{
+		char	   *v = query_value(admin,
+									"SELECT lease_until > clock_timestamp()"
+									" FROM idem.keys WHERE key = $1 AND scope = $2",
+									2, values);
+
+		ctx->flag = strcmp(v, "t") == 0;
+		free(v);
 	}
 	opts_init(&opts);
 	ctx_init(&octx);
@@ -769,6 +779,276 @@ test_threads(void)
 		   executed, others, errors, ctx.calls, key_state("threads"));
 }
 
+/* conninfo with more keywords appended (malloc'd). */
+static char *
+conninfo_with(const char *extra)
+{
+	size_t		n = strlen(conninfo) + strlen(extra) + 2;
+	char	   *s = malloc(n);
+
+	snprintf(s, n, "%s %s", conninfo, extra);
+	return s;
+}
+
+/*
+ * The heartbeat follows the lease the claim returned: with lease_ms 0 and
+ * a server default lease of 2 s, it keeps the claim past its first end.
+ */
+static void
+test_heartbeat_default_lease(void)
+{
+	char	   *short_lease = conninfo_with("options='-c idem.default_lease=2'");
+	PGconn	   *conn = connect_or_die(short_lease);
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	opts_init(&opts);
+	opts.lease_ms = 0;
+	opts.heartbeat_conninfo = short_lease;
+	ctx_init(&ctx);
+	ctx.during = during_outlive_lease;
+	run(conn, &opts, "heartbeat-default", "fp", &ctx, &res);
+	printf("heartbeat_default_lease: outcome=%s failed=%s lease_outlived=%s competitor=%s extends=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.flag ? "yes" : "no", idem_outcome_name(ctx.competitor),
+		   res.extends > 0 ? "some" : "none", ctx.calls,
+		   key_state("heartbeat-default"));
+	idem_result_clear(&res);
+	PQfinish(conn);
+	free(short_lease);
+}
+
+/* A socket bound to a local port, not listening yet: connections refused. */
+static int	hang_fd = -1;
+
+/*
+ * "during" step: lose the heartbeat's connection while its first host
+ * accepts connections and never answers, and wait until the heartbeat is
+ * re-connecting to it.
+ */
+static void
+during_hang_heartbeat(Ctx *ctx, const IdemClaim *claim)
+{
+	char	   *pid;
+	struct pollfd pfd;
+
+	(void) claim;
+	listen(hang_fd, 8);
+	pid = query_value(admin, "SELECT pid FROM pg_stat_activity"
+					  " WHERE application_name = 'guard_hb'", 0, NULL);
+	if (*pid != '\0')
+		terminate(atoi(pid));
+	free(pid);
+	pfd.fd = hang_fd;
+	pfd.events = POLLIN;
+	pfd.revents = 0;
+	ctx->flag = poll(&pfd, 1, POLL_LIMIT * 10) > 0;
+}
+
+/*
+ * The heartbeat's lost connection is re-made without blocking the stop:
+ * its first host takes the connection and never answers (no
+ * connect_timeout), and the guard still returns.
+ */
+static void
+test_heartbeat_reset(PGconn *conn)
+{
+	struct sockaddr_in addr;
+	socklen_t	len = sizeof(addr);
+	char		hb_conninfo[1024];
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	hang_fd = socket(AF_INET, SOCK_STREAM, 0);
+	memset(&addr, 0, sizeof(addr));
+	addr.sin_family = AF_INET;
+	addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	addr.sin_port = 0;
+	if (hang_fd < 0 || bind(hang_fd, (struct sockaddr *) &addr, sizeof(addr)) != 0 ||
+		getsockname(hang_fd, (struct sockaddr *) &addr, &len) != 0)
+	{
+		fprintf(stderr, "guard_test: cannot bind a local socket\n");
+		exit(2);
+	}
+	snprintf(hb_conninfo, sizeof(hb_conninfo),
+			 "host=127.0.0.1,%s port=%d,%s dbname=%s application_name=guard_hb",
+			 PQhost(admin), ntohs(addr.sin_port), PQport(admin), PQdb(admin));
+
+	opts_init(&opts);
+	opts.lease_ms = 1500;
+	opts.heartbeat_conninfo = hb_conninfo;
+	ctx_init(&ctx);
+	ctx.during = during_hang_heartbeat;
+	run(conn, &opts, "heartbeat-reset", "fp", &ctx, &res);
+	printf("heartbeat_reset: outcome=%s failed=%s reconnecting=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.flag ? "yes" : "no", ctx.calls, key_state("heartbeat-reset"));
+	idem_result_clear(&res);
+	close(hang_fd);
+}
+
+/* A stored response that cannot be copied is a failure, not an empty replay. */
+static void
+test_replay_failure(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	IdemFaultCounter replay_fault = {"replay", 1};
+	char		body[64];
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	run(conn, &opts, "replay-fault", "fp", &ctx, &res);
+	idem_result_clear(&res);
+	opts.fault = idem_fault_fail_n;
+	opts.fault_arg = &replay_fault;
+	run(conn, &opts, "replay-fault", "fp", &ctx, &res);
+	printf("replay_out_of_memory: outcome=%s failed=%s message=%s calls=%d body=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, ctx.calls, res.resp.body ? "set" : "none");
+	idem_result_clear(&res);
+	run(conn, &opts, "replay-fault", "fp", &ctx, &res);
+	printf("replay_after_failure: outcome=%s failed=%s status=%d body=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.resp.status, body_text(&res, body, sizeof(body)));
+	idem_result_clear(&res);
+}
+
+/*
+ * Every call names the schema and casts its arguments: a look-alike
+ * idem_begin in the "$user" schema, first on the default search_path, is
+ * not called; a missing schema makes the claim fail.
+ */
+static void
+test_schema(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	char	   *user = query_value(admin, "SELECT pg_catalog.quote_ident(current_user)",
+								   0, NULL);
+	char		sql[1024];
+
+	snprintf(sql, sizeof(sql), "CREATE SCHEMA %s", user);
+	PQclear(query(admin, sql, 0, NULL));
+	snprintf(sql, sizeof(sql),
+			 "CREATE FUNCTION %s.idem_begin(key text, fingerprint text,"
+			 " lease interval, retention interval, scope text, wait boolean)"
+			 " RETURNS TABLE (claimed boolean, state text, token bigint,"
+			 " status integer, body bytea, lease_until timestamptz,"
+			 " expires_at timestamptz) LANGUAGE sql AS"
+			 " $$SELECT true, 'PROCESSING', 666::bigint, NULL::integer,"
+			 " NULL::bytea, now() + interval '1 hour', now() + interval '1 day'$$",
+			 user);
+	PQclear(query(admin, sql, 0, NULL));
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	run(conn, &opts, "user-schema", "fp", &ctx, &res);
+	printf("user_schema: outcome=%s failed=%s fake_token=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.token == 666 ? "yes" : "no", ctx.calls,
+		   key_state("user-schema"));
+	idem_result_clear(&res);
+
+	opts.schema = "nosuch";
+	run(conn, &opts, "no-schema", "fp", &ctx, &res);
+	printf("schema_missing: outcome=%s failed=%s sqlstate=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls, key_state("no-schema"));
+	idem_result_clear(&res);
+
+	snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", user);
+	PQclear(query(admin, sql, 0, NULL));
+	free(user);
+}
+
+/*
+ * True if a commit on conn waits (for a synchronous standby): a claim of
+ * a key in the scope "probe" does not answer within 200 ms.  It is then
+ * cancelled (and committed locally).
+ */
+static bool
+commit_waits(PGconn *conn)
+{
+	struct pollfd pfd;
+	PGresult   *res;
+	bool		waits;
+
+	if (!PQsendQuery(conn, "SELECT claimed FROM public.idem_begin('probe-'"
+					 " || pg_catalog.clock_timestamp(), 'fp', scope => 'probe')"))
+		return false;
+	pfd.fd = PQsocket(conn);
+	pfd.events = POLLIN;
+	pfd.revents = 0;
+	waits = poll(&pfd, 1, 200) == 0;
+	if (waits)
+	{
+		PGcancel   *cancel = PQgetCancel(conn);
+		char		buf[256];
+
+		PQcancel(cancel, buf, sizeof(buf));
+		PQfreeCancel(cancel);
+	}
+	while ((res = PQgetResult(conn)) != NULL)
+		PQclear(res);
+	return waits;
+}
+
+/*
+ * The client timeout fires after the claim committed: every commit of the
+ * guard's session waits for a synchronous standby that does not exist, so
+ * each statement is cancelled after it committed locally.  The claim is
+ * used, not thrown away.  Runs last: it changes the server's settings.
+ */
+static void
+test_timeout_after_commit(void)
+{
+	char	   *sync_on = conninfo_with("options='-c synchronous_commit=on'");
+	PGconn	   *conn;
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	bool		ready = false;
+	int			i;
+
+	PQclear(query(admin, "ALTER SYSTEM SET synchronous_commit = 'local'", 0, NULL));
+	PQclear(query(admin, "ALTER SYSTEM SET synchronous_standby_names = 'nobody'",
+				  0, NULL));
+	PQclear(query(admin, "SELECT pg_reload_conf()", 0, NULL));
+	conn = connect_or_die(sync_on);
+	/* The setting reaches the server's processes a little later. */
+	for (i = 0; i < POLL_LIMIT && !(ready = commit_waits(conn)); i++)
+	{
+		PQfinish(conn);
+		sleep_ms(10);
+		conn = connect_or_die(sync_on);
+	}
+	if (!ready)
+		printf("timeout_after_commit: commits do not wait for a standby\n");
+
+	else
+	{
+		opts_init(&opts);
+		opts.timeout_ms = 500;
+		ctx_init(&ctx);
+		run(conn, &opts, "sync-timeout", "fp", &ctx, &res);
+		printf("timeout_after_commit: outcome=%s failed=%s calls=%d state=%s\n",
+			   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+			   ctx.calls, key_state("sync-timeout"));
+		idem_result_clear(&res);
+	}
+	PQfinish(conn);
+
+	PQclear(query(admin, "ALTER SYSTEM RESET synchronous_standby_names", 0, NULL));
+	PQclear(query(admin, "ALTER SYSTEM RESET synchronous_commit", 0, NULL));
+	PQclear(query(admin, "SELECT pg_reload_conf()", 0, NULL));
+	free(sync_on);
+}
+
 /* Run every case. */
 int
 main(int argc, char **argv)
@@ -795,6 +1075,11 @@ main(int argc, char **argv)
 	test_heartbeat(conn);
 	test_scope_and_window(conn);
 	test_threads();
+	test_heartbeat_default_lease();
+	test_heartbeat_reset(conn);
+	test_replay_failure(conn);
+	test_schema(conn);
+	test_timeout_after_commit();
 
 	PQfinish(conn);
 	PQfinish(admin);

@@ -1,8 +1,10 @@
 # The client guard (guard/idem_guard.c) against a live server: every
-# outcome, a fault at each step (begin, handler, complete, release), the
-# heartbeat, a superseded token, and eight threads on one key.  The test
-# program test/guard/guard_test prints one line per case; each line must
-# be exactly as listed here.
+# outcome, a fault at each step (begin, handler, complete, release,
+# replay), the heartbeat (with the server's default lease, and re-connecting
+# to a host that never answers), a superseded token, eight threads on one
+# key, schema-qualified calls, and a timeout after the claim committed.
+# The test program test/guard/guard_test prints one line per case; each
+# line must be exactly as listed here.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -15,16 +17,27 @@ my $program = "$top/test/guard/guard_test";
 system('make', '-s', '-C', "$top/guard") unless -x $program;
 ok(-x $program, 'guard test program is built');
 
-my $node = idem_node('guard');
+# WAL senders, so that commits can wait for a synchronous standby (the
+# case of a timeout after the claim committed).
+my $node = idem_node('guard', conf => qq{
+wal_level = replica
+max_wal_senders = 2
+});
 
 # No server listens on this port: the store is down.
 my $down = 'host=' . $node->host . ' port='
   . PostgreSQL::Test::Cluster::get_free_port()
   . ' dbname=postgres connect_timeout=2';
 
-my ($stdout, $stderr);
-my $ok = IPC::Run::run([ $program, $node->connstr('postgres'), $down ],
-	'>', \$stdout, '2>', \$stderr);
+# A guard that hangs (a heartbeat that cannot be stopped) fails the test
+# instead of blocking it: the program is killed after the timeout.
+my ($stdout, $stderr) = (q{}, q{});
+my $ok = eval {
+	IPC::Run::run([ $program, $node->connstr('postgres'), $down ],
+		'>', \$stdout, '2>', \$stderr,
+		IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default));
+};
+diag("guard test program: $@") if $@;
 ok($ok, 'guard test program exits 0') or diag($stderr);
 my %got = map { /^(\w+)(?:: (.*))?$/ ? ($1 => $2 // q{}) : () } split /\n/, $stdout;
 
@@ -82,6 +95,25 @@ my @expected = (
 	[ window => 'first=EXECUTED inside=REPLAYED after=EXECUTED calls=2' ],
 	# Eight threads with a connection each, one key: one execution.
 	[ threads => 'executed=1 others=7 errors=0 calls=1 state=DONE' ],
+	# The heartbeat follows the lease the claim returned: with the server's
+	# default lease of 2 s (lease_ms 0) the claim outlives its first end.
+	[ heartbeat_default_lease => 'outcome=EXECUTED failed=none lease_outlived=yes competitor=IN_FLIGHT extends=some calls=1 state=DONE' ],
+	# The heartbeat's connection is lost and its first host never answers:
+	# re-connecting does not keep the guard from stopping the heartbeat.
+	[ heartbeat_reset => 'outcome=EXECUTED failed=none reconnecting=yes calls=1 state=DONE' ],
+	# A stored response that cannot be copied (out of memory) is a
+	# failure, not a replay with an empty body; the next call replays.
+	[ replay_out_of_memory => 'outcome=UNAVAILABLE failed=replay message=out of memory copying the stored response calls=1 body=none' ],
+	[ replay_after_failure => 'outcome=REPLAYED failed=none status=201 body=created' ],
+	# Calls are schema-qualified with exact argument types: a look-alike
+	# idem_begin in the "$user" schema is not called; a missing schema is
+	# a failed claim.
+	[ user_schema => 'outcome=EXECUTED failed=none fake_token=no calls=1 state=DONE' ],
+	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 calls=1 state=NONE' ],
+	# The client timeout fires after the claim (and the response) committed
+	# locally, while the commit waits for a synchronous standby: the claim
+	# is used, not thrown away.
+	[ timeout_after_commit => 'outcome=EXECUTED failed=none calls=1 state=DONE' ],
 	[ done => '' ]);
 
 foreach my $case (@expected)
