@@ -818,8 +818,8 @@ purge_database_or_exit(Oid dboid, const char *dbname,
 			ereport(LOG,
 					(errmsg("idem purge: skipped database \"%s\": a lock was held by another session for more than %d ms",
 							dbname, visit_deadline_ms()),
-					 errdetail("A session holds a lock on idem.keys (LOCK TABLE, VACUUM FULL, REINDEX) or a catalog the purge needs; %lld keys were deleted before."
-							   , (long long) purge_deleted),
+					 errdetail("A session holds a lock on idem.keys (LOCK TABLE, VACUUM FULL, REINDEX) or a catalog the purge needs; %lld keys were deleted before.",
+							   (long long) purge_deleted),
 					 errhint("The launcher visits the database again next pass, after the others.")));
 			RESUME_INTERRUPTS();
 			proc_exit(0);

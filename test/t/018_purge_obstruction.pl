@@ -11,6 +11,9 @@
 # - The same role renames its database in a transaction it leaves open, so
 #   a worker cannot even connect to it: the launcher terminates the
 #   overdue worker and purges the other databases.
+# - Parallel queries of an unprivileged role take every background worker
+#   slot: the launcher counts, logs and records the failed starts, and
+#   purges once a slot is free.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -167,4 +170,61 @@ is($node->safe_psql('postgres', $launcher_sql),
 $_->quit for @sessions;
 @sessions = ();
 $node->stop;
+
+# --- 4. Parallel queries of an unprivileged role take every background
+# worker slot: the launcher counts, logs and records each failed start and
+# tries again until a slot is free.  Three slots: the launcher's and two.
+my $small = idem_node('slots_full', conf => qq{
+idem.purge_naptime = 1
+idem.purge_enabled = off
+max_worker_processes = 3
+max_logical_replication_workers = 0
+});
+$small->safe_psql('postgres', 'CREATE ROLE reporter LOGIN');
+$small->safe_psql('postgres', expired_keys('p', 25));
+my $force_parallel =
+  $small->safe_psql('postgres', 'SHOW server_version_num') >= 160000
+  ? 'debug_parallel_query'
+  : 'force_parallel_mode';
+for my $i (1 .. 2)
+{
+	my $s = $small->background_psql('postgres',
+		extra_params => [ '-U', 'reporter' ]);
+	push @sessions, $s;
+	$s->query_safe("SET $force_parallel = on");
+	$s->query_until(qr/sleeping/, "\\echo sleeping\nSELECT pg_sleep(3600);\n");
+}
+ok( $small->poll_query_until('postgres',
+		"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'parallel worker'",
+		'2'),
+	'two parallel queries hold the two free background worker slots');
+
+$offset = -s $small->logfile;
+$small->safe_psql('postgres',
+	'ALTER SYSTEM SET idem.purge_enabled = on; SELECT pg_reload_conf()');
+ok( $small->wait_for_log(
+		qr/idem launcher could not start a purge worker for database "postgres"\n.*DETAIL:  All 3 background worker slots are in use; \d+ purge worker starts have failed since the server started/,
+		$offset),
+	'a purge worker that cannot start is logged with the count of failures');
+ok( $small->poll_query_until('postgres', q{
+SELECT last_purge_error FROM idem_stats WHERE datname = 'postgres'},
+		'purge worker not started: all 3 background worker slots (max_worker_processes) were in use'),
+	'idem_stats: the failed start is recorded');
+is( $small->safe_psql('postgres',
+		"SELECT count(*) FROM idem.keys WHERE key LIKE 'p-%'"),
+	'25', 'nothing purged while no slot is free');
+
+$small->safe_psql('postgres', q{
+SELECT pg_cancel_backend(pid) FROM pg_stat_activity
+WHERE usename = 'reporter' AND backend_type = 'client backend'});
+ok( $small->poll_query_until('postgres',
+		"SELECT count(*) FROM idem.keys WHERE key LIKE 'p-%'", '0'),
+	'the launcher tries again and purges once a slot is free');
+ok( $small->poll_query_until('postgres', q{
+SELECT last_purge_error IS NULL FROM idem_stats WHERE datname = 'postgres'}),
+	'idem_stats: the error is cleared');
+
+eval { $_->quit } for @sessions;
+@sessions = ();
+$small->stop;
 done_testing();
