@@ -22,11 +22,6 @@ if (!-f "$sharedir/extension/citus.control")
 	  . "make matrix builds it in the PostgreSQL 17 and 18 chroots";
 }
 
-# The SQL of idem_distribute(), until the update
-# script has it: loaded by hand when CREATE EXTENSION did not create it.
-my $functions_sql = slurp_file('sql/citus-functions.sql');
-$functions_sql =~ s/\@extschema\@/public/g;
-
 my @pgbench_runs;
 END
 {
@@ -76,9 +71,6 @@ SELECT citus_add_node('$host', ${\ $w1->port});
 SELECT citus_add_node('$host', ${\ $w2->port});
 CREATE EXTENSION idem;
 });
-	my $has = $coord->safe_psql($db,
-		q{SELECT count(*) FROM pg_proc WHERE proname = 'idem_distribute'});
-	$coord->safe_psql($db, $functions_sql) if $has eq '0';
 }
 
 citus_database('postgres');
