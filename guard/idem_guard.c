@@ -52,7 +52,8 @@
 	"SELECT b.claimed, b.state, b.token, b.status, b.body," \
 	" (pg_catalog.date_part('epoch', b.lease_until OPERATOR(pg_catalog.-)" \
 	" (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)" \
-	" pg_catalog.current_setting('idem.clock_offset')::pg_catalog.interval))" \
+	" COALESCE(pg_catalog.current_setting('idem.clock_offset', true)," \
+	" '0')::pg_catalog.interval))" \
 	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
 	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
