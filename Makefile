@@ -27,9 +27,9 @@ ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 TAP_TESTS = 1
 PROVE_TESTS = test/t/*.pl
 
-PG_CPPFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers
+PG_CFLAGS = -Wall -Wextra -Wno-unused-parameter -Wno-missing-field-initializers
 ifdef IDEM_WERROR
-PG_CPPFLAGS += -Werror
+PG_CFLAGS += -Werror
 endif
 
 EXTRA_CLEAN = test/output tmp_check tmp_check_iso

@@ -212,16 +212,16 @@ open_keys_relation(LOCKMODE lockmode)
 	pg_unreachable();
 }
 
-static void
-refuse_shape(Relation rel, const char *what, const char *detail)
-{
-	ereport(ERROR,
-			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-			 errmsg("idem cannot use table idem.keys: %s", what),
-			 detail ? errdetail("%s", detail) : 0,
-			 errhint("idem reads and writes idem.keys directly and keeps only the shape "
-					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")));
-}
+/*
+ * Refuse a table altered beyond what idem maintains: 55000, with the
+ * message and detail given, and what to do about it.
+ */
+#define refuse_shape(...) \
+	ereport(ERROR, \
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE), \
+			 __VA_ARGS__, \
+			 errhint("idem reads and writes idem.keys directly and keeps only the shape " \
+					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")))
 
 /*
  * Check that idem.keys (or a shard of it) is as the install script made
@@ -240,11 +240,11 @@ check_shape(Relation rel, KeyShape *shape)
 
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
 		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
-		refuse_shape(rel, "it is not a heap table", NULL);
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a heap table"));
 	if (desc->natts != Natts_keys)
-		refuse_shape(rel, "its columns were changed",
-					 psprintf("It has %d columns; idem expects %d.",
-							  desc->natts, Natts_keys));
+		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
+					 errdetail("It has %d columns; idem expects %d.",
+							   desc->natts, Natts_keys));
 	for (i = 0; i < Natts_keys; i++)
 	{
 		Form_pg_attribute att = TupleDescAttr(desc, i);
@@ -255,39 +255,38 @@ check_shape(Relation rel, KeyShape *shape)
 			att->attnotnull != key_columns[i].notnull ||
 			att->attgenerated != '\0' ||
 			(i < 2 && att->attcollation != C_COLLATION_OID))
-			refuse_shape(rel, "its columns were changed",
-						 psprintf("Column %d should be \"%s\" of type %s%s.",
-								  i + 1, key_columns[i].name,
-								  format_type_be(key_columns[i].type),
-								  key_columns[i].notnull ? " NOT NULL" : ""));
+			refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
+						 key_columns[i].notnull ?
+						 errdetail("Column %d should be \"%s\" of type %s NOT NULL.",
+								   i + 1, key_columns[i].name,
+								   format_type_be(key_columns[i].type)) :
+						 errdetail("Column %d should be \"%s\" of type %s.",
+								   i + 1, key_columns[i].name,
+								   format_type_be(key_columns[i].type)));
 	}
 	if (desc->constr != NULL && desc->constr->num_check > 0)
-		refuse_shape(rel,
-					 psprintf("it has CHECK constraint \"%s\", which idem does not check",
-							  desc->constr->check[0].ccname), NULL);
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has CHECK constraint \"%s\", which idem does not check",
+							desc->constr->check[0].ccname));
 	if (rel->trigdesc != NULL && rel->trigdesc->numtriggers > 0)
 	{
 		Trigger    *trigger = &rel->trigdesc->triggers[0];
 
 		if (OidIsValid(trigger->tgconstraint))
-			refuse_shape(rel,
-						 psprintf("it is referenced by foreign key \"%s\", which idem does not check",
-								  get_constraint_name(trigger->tgconstraint)), NULL);
-		refuse_shape(rel,
-					 psprintf("it has trigger \"%s\", which idem does not fire",
-							  trigger->tgname), NULL);
+			refuse_shape(errmsg("idem cannot use table idem.keys: it is referenced by foreign key \"%s\", which idem does not check",
+								get_constraint_name(trigger->tgconstraint)));
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has trigger \"%s\", which idem does not fire",
+							trigger->tgname));
 	}
 
 	pkid = idem_primary_key_index(rel);
 	if (!OidIsValid(pkid))
-		refuse_shape(rel, "it has no primary key", NULL);
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has no primary key"));
 	indexes = RelationGetIndexList(rel);
 	foreach(lc, indexes)
 	{
 		if (lfirst_oid(lc) != pkid)
-			refuse_shape(rel,
-						 psprintf("it has index \"%s\", which idem does not maintain",
-								  get_rel_name(lfirst_oid(lc))), NULL);
+			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
+								get_rel_name(lfirst_oid(lc))));
 	}
 	list_free(indexes);
 
@@ -302,8 +301,8 @@ check_shape(Relation rel, KeyShape *shape)
 		!pkey->rd_index->indimmediate ||
 		RelationGetIndexExpressions(pkey) != NIL ||
 		RelationGetIndexPredicate(pkey) != NIL)
-		refuse_shape(rel, "its primary key was changed",
-					 "It should be a btree on (key, scope).");
+		refuse_shape(errmsg("idem cannot use table idem.keys: its primary key was changed"),
+					 errdetail("It should be a btree on (key, scope)."));
 	shape->relid = RelationGetRelid(rel);
 	shape->key_first = (pkey->rd_index->indkey.values[0] == Anum_keys_key);
 	{
@@ -826,8 +825,9 @@ write_result(KeyTable *kt, TM_Result result)
 			if (IsolationUsesXactSnapshot())
 				ereport(ERROR,
 						(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-						 errmsg("could not serialize access due to concurrent %s",
-								result == TM_Updated ? "update" : "delete")));
+						 result == TM_Updated ?
+						 errmsg("could not serialize access due to concurrent update") :
+						 errmsg("could not serialize access due to concurrent delete")));
 			return KEYWRITE_CHANGED;
 		case TM_SelfModified:
 			return KEYWRITE_CHANGED;
