@@ -91,6 +91,7 @@ typedef struct ClaimArgs
 static HTAB *xact_claims = NULL;
 static bool xact_callback_registered = false;
 
+/* Forget the claims of a transaction that ended. */
 static void
 claims_xact_callback(XactEvent event, void *arg)
 {
@@ -152,6 +153,7 @@ fingerprint_digest(text *fingerprint)
 	return digest;
 }
 
+/* Was the row claimed with this fingerprint digest? */
 static bool
 same_fingerprint(KeyRow *row, bytea *fingerprint)
 {
@@ -520,6 +522,7 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 	return row->done ? HOLDER_DONE : HOLDER_WRITE;
 }
 
+/* Refuse a write to a completed key (ID004). */
 static void
 already_completed(text *key, bool other_response)
 {
@@ -534,6 +537,7 @@ already_completed(text *key, bool other_response)
 					idem_key_for_message(key))));
 }
 
+/* Are two bodies (or their absence) byte for byte the same? */
 static bool
 same_body(bytea *a, bytea *b)
 {

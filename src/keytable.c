@@ -132,6 +132,7 @@ static int64 shard_token_floor = 0;
  */
 static HTAB *shard_shapes = NULL;
 
+/* Forget the table's identity and shape when it, its index or the sequence changes. */
 static void
 keys_relcache_callback(Datum arg, Oid relid)
 {
@@ -145,6 +146,7 @@ keys_relcache_callback(Datum arg, Oid relid)
 	}
 }
 
+/* Check the shape again after ALTER SEQUENCE. */
 static void
 keys_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
 {
