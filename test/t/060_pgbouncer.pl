@@ -52,15 +52,38 @@ close($fh);
 ok(system($pgbouncer, '-d', '-q', "$dir/pgbouncer.ini") == 0,
 	'pgbouncer starts');
 
-# Stop the pgbouncer this test started, however the test ends.
-my $bouncer_pid;
-if (open(my $pf, '<', "$dir/pgbouncer.pid"))
+# Stop the pgbouncer this test started, however the test ends.  The
+# daemon writes its pid file after the starting process has returned, so
+# the file is read again at the end if it was not there yet, and the stop
+# waits until the process is gone.
+sub bouncer_pid
 {
-	$bouncer_pid = <$pf>;
+	open(my $pf, '<', "$dir/pgbouncer.pid") or return undef;
+	my $pid = <$pf>;
 	close($pf);
-	chomp $bouncer_pid if defined $bouncer_pid;
+	chomp $pid if defined $pid;
+	return $pid;
 }
-END { kill 'TERM', $bouncer_pid if $bouncer_pid; }
+my $bouncer_pid;
+for (1 .. 100)
+{
+	last if defined($bouncer_pid = bouncer_pid());
+	select(undef, undef, undef, 0.1);
+}
+END
+{
+	my $pid = $bouncer_pid // bouncer_pid();
+	if ($pid && kill('TERM', $pid))
+	{
+		for (1 .. 100)
+		{
+			last unless kill(0, $pid);
+			select(undef, undef, undef, 0.1);
+		}
+		kill('KILL', $pid) if kill(0, $pid);
+	}
+}
+ok($bouncer_pid, 'pgbouncer wrote its pid file');
 
 my $bconn = "host=127.0.0.1 port=$bport dbname=postgres";
 
