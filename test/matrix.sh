@@ -56,12 +56,19 @@ packages_of() {
 
 # Citus, for the Citus suite (test/t/090_citus.pl) in the 17 and 18
 # chroots.  No package source reachable from CI ships it: its source
-# tarball lives outside this repository ($IDEM_CITUS_TARBALL, default
-# ../shared/deps next to the checkout), is copied into the chroot when the
-# chroot is prepared, checked against the digest pinned here, built and
-# installed there, and cached with the chroot.  Without the tarball the
-# chroot has no Citus and the Citus suite skips itself.
-citus_tarball=${IDEM_CITUS_TARBALL:-$top/../shared/deps/citus-14.0.1.tar.gz}
+# tarball lives outside this repository ($IDEM_CITUS_TARBALL; else
+# shared/deps next to the checkout, else /work/shared/deps, where machines
+# of this kind keep it), is copied into the chroot when the chroot is
+# prepared, checked against the digest pinned here, built and installed
+# there, and cached with the chroot.  Without the tarball the chroot has no
+# Citus and the Citus suite skips itself, saying so.
+citus_tarball=${IDEM_CITUS_TARBALL:-}
+if [ -z "$citus_tarball" ]; then
+	for d in "$top/../shared/deps" /work/shared/deps; do
+		citus_tarball=$d/citus-14.0.1.tar.gz
+		[ -f "$citus_tarball" ] && break
+	done
+fi
 citus_sha256=acfa9a77cd84a8e1edab26cca4a71355f39c910c01586da89560e0240d4b05ba
 
 if [ "$(id -u)" -ne 0 ]; then
