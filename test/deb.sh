@@ -54,80 +54,20 @@ if [ "$(id -u)" -ne 0 ]; then
 	exit 2
 fi
 
-# The host's Debian mirror: the first non-security URI apt is configured with.
-mirror() {
-	local m=""
-	if [ -r /etc/apt/sources.list.d/debian.sources ]; then
-		m=$(awk '$1 == "URIs:" && $2 !~ /security/ { print $2; exit }' \
-			/etc/apt/sources.list.d/debian.sources)
-	fi
-	if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
-		m=$(awk '$1 == "deb" && $0 !~ /security/ {
-				for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
-			/etc/apt/sources.list)
-	fi
-	[ -n "$m" ] || return 1
-	echo "$m"
-}
 
-# State undone by cleanup: mounts (in reverse order), chroots whose
-# processes are stopped, the command running in its own process group, and
-# temporary directories.
-mounts=()
-chroots=()
-child=""
+# Shared chroot helpers: mirror, run_child, mount_chroot, unmount_below,
+# mounted_below, and chroot_cleanup with the state it undoes.
+. "$(dirname "$0")/chroot.sh"
+
+# Temporary directories, removed by cleanup.
 build_dir=""
 run_dir=""
 
-# Stop every process whose root directory is the chroot $1 (servers a failed
-# step left behind); they hold the chroot's mounts busy.
-kill_chroot_processes() {
-	local root=$1 sig p pid left
-	for sig in TERM KILL; do
-		left=0
-		for p in /proc/[0-9]*; do
-			[ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] || continue
-			pid=${p#/proc/}
-			kill -s "$sig" "$pid" 2>/dev/null && left=1
-		done
-		[ "$left" -eq 0 ] && return 0
-		sleep 2
-	done
-}
 
-# Run a command in its own process group and wait for it; unlike a command
-# in the foreground, the wait ends as soon as this script gets a signal.
-run_child() {
-	local rc
-	setsid "$@" &
-	child=$!
-	wait "$child"
-	rc=$?
-	child=""
-	return $rc
-}
 
-# Nothing may be mounted below a directory before it is deleted.
-mounted_below() {
-	awk -v p="$1/" 'index($2, p) == 1 || $2 == substr(p, 1, length(p) - 1) { found = 1 }
-		END { exit !found }' /proc/mounts
-}
 
 cleanup() {
-	local i
-	if [ -n "$child" ]; then
-		kill -TERM -- "-$child" 2>/dev/null && sleep 2
-		kill -KILL -- "-$child" 2>/dev/null
-	fi
-	for i in "${chroots[@]+"${chroots[@]}"}"; do
-		kill_chroot_processes "$i"
-	done
-	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
-		umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" 2>/dev/null ||
-			echo "could not unmount ${mounts[$i]}" >&2
-	done
-	mounts=()
-	chroots=()
+	chroot_cleanup
 	if [ -n "$build_dir" ]; then
 		save_outputs
 		rm -rf "$build_dir"
@@ -144,40 +84,8 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# Mount $1 with the options that follow, private so that nothing mounted
-# below it propagates back to the host's own mount of the same source.
-mount_in() {
-	local target=$1
-	shift
-	mount "$@" "$target" || return 1
-	mounts+=("$target")
-	mount --make-private "$target"
-}
 
-# Mount what servers and apt need inside the chroot $1.
-mount_chroot() {
-	local root=$1
-	chroots+=("$root")
-	mount_in "$root/proc" -t proc proc &&
-		mount_in "$root/dev" --bind /dev &&
-		mount_in "$root/dev/pts" --bind /dev/pts &&
-		mount_in "$root/dev/shm" -t tmpfs -o mode=1777 shm
-}
 
-# Undo the mounts below $1 (and $1 itself) made by this run.
-unmount_below() {
-	local root=$1 i keep=()
-	kill_chroot_processes "$root"
-	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
-		case "${mounts[$i]}" in
-		"$root" | "$root"/*) umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" ;;
-		esac
-	done
-	for i in "${mounts[@]+"${mounts[@]}"}"; do
-		case "$i" in "$root" | "$root"/*) ;; *) keep+=("$i") ;; esac
-	done
-	mounts=("${keep[@]+"${keep[@]}"}")
-}
 
 # A command in the chroot $root, as root, with a clean environment.
 in_chroot() {
@@ -197,25 +105,12 @@ as_idemtest() {
 # last) with the same recipe.
 recipe="$suite minbase, host Debian sources, v1"
 prepare_chroot() {
-	local root=$1 m marker=$1/.idem-deb-ready
+	local root=$1 marker=$1/.idem-deb-ready
 	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$recipe" ]; then
 		echo "reusing the $suite chroot in $root"
 		return 0
 	fi
-	if mounted_below "$root"; then
-		echo "$root has mounts below it; not deleting it" >&2
-		return 1
-	fi
-	m=$(mirror) || { echo "no Debian mirror configured in /etc/apt" >&2; return 1; }
-	command -v debootstrap >/dev/null || {
-		apt-get update -qq &&
-			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null ||
-			return 1
-	}
-	echo "preparing a $suite chroot in $root"
-	rm -rf "$root"
-	mkdir -p "$root"
-	debootstrap --variant=minbase "$suite" "$root" "$m" || return 1
+	debootstrap_chroot "$root" "$suite" || return 1
 	# The same Debian suites as the host (updates, security), when the host
 	# is on $suite too: the packages built here depend on its server's
 	# minor version.

@@ -82,121 +82,21 @@ for v in "${versions[@]}"; do
 	fi
 done
 
-# The host's Debian mirror: the first non-security URI apt is configured with.
-mirror() {
-	local m=""
-	if [ -r /etc/apt/sources.list.d/debian.sources ]; then
-		m=$(awk '$1 == "URIs:" && $2 !~ /security/ { print $2; exit }' \
-			/etc/apt/sources.list.d/debian.sources)
-	fi
-	if [ -z "$m" ] && [ -r /etc/apt/sources.list ]; then
-		m=$(awk '$1 == "deb" && $0 !~ /security/ {
-				for (i = 2; i <= NF; i++) if ($i ~ /^[a-z]+:\/\//) { print $i; exit } }' \
-			/etc/apt/sources.list)
-	fi
-	[ -n "$m" ] || return 1
-	echo "$m"
-}
-
-# Mounts made by this run, undone in reverse order on exit.
-mounts=()
-chroots=()
-
-# Stop every process whose root directory is the chroot $1 (servers a
-# failed test left behind); they hold the chroot's mounts busy.
-kill_chroot_processes() {
-	local root=$1 sig p pid left
-	for sig in TERM KILL; do
-		left=0
-		for p in /proc/[0-9]*; do
-			[ "$(readlink "$p/root" 2>/dev/null)" = "$root" ] || continue
-			pid=${p#/proc/}
-			kill -s "$sig" "$pid" 2>/dev/null && left=1
-		done
-		[ "$left" -eq 0 ] && return 0
-		sleep 2
-	done
-}
-
-# The command running for the current version, in a process group of its
-# own, so that an interrupted run can stop it with all its children.
-child=""
-
-# Run a command in its own process group and wait for it; unlike a command
-# in the foreground, the wait ends as soon as this script gets a signal.
-run_child() {
-	local rc
-	setsid "$@" &
-	child=$!
-	wait "$child"
-	rc=$?
-	child=""
-	return $rc
-}
+# Shared chroot helpers: mirror, run_child, mount_chroot, unmount_below,
+# mounted_below, and chroot_cleanup with the state it undoes.
+. "$top/test/chroot.sh"
 
 cleanup() {
-	local i
-	if [ -n "$child" ]; then
-		kill -TERM -- "-$child" 2>/dev/null && sleep 2
-		kill -KILL -- "-$child" 2>/dev/null
-	fi
-	for i in "${chroots[@]}"; do
-		kill_chroot_processes "$i"
-	done
-	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
-		umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" 2>/dev/null ||
-			echo "could not unmount ${mounts[$i]}" >&2
-	done
-	mounts=()
-	chroots=()
+	chroot_cleanup
 	[ -n "${snapshot:-}" ] && rm -f "$snapshot"
 }
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-# Mount $1 with the options that follow, private so that nothing mounted
-# below it can propagate back to the host's own mount of the same source.
-mount_in() {
-	local target=$1
-	shift
-	mount "$@" "$target" || return 1
-	mounts+=("$target")
-	mount --make-private "$target"
-}
-
-# Mount what servers and tests need inside the chroot $1.
-mount_chroot() {
-	local root=$1
-	chroots+=("$root")
-	mount_in "$root/proc" -t proc proc &&
-		mount_in "$root/dev" --bind /dev &&
-		mount_in "$root/dev/pts" --bind /dev/pts &&
-		mount_in "$root/dev/shm" -t tmpfs -o mode=1777 shm
-}
-
-unmount_chroot() {
-	local root=$1 i keep=()
-	kill_chroot_processes "$root"
-	for ((i = ${#mounts[@]} - 1; i >= 0; i--)); do
-		case "${mounts[$i]}" in
-		"$root"/*) umount "${mounts[$i]}" 2>/dev/null || umount -l "${mounts[$i]}" ;;
-		esac
-	done
-	for i in "${mounts[@]}"; do
-		case "$i" in "$root"/*) ;; *) keep+=("$i") ;; esac
-	done
-	mounts=("${keep[@]+"${keep[@]}"}")
-}
-
-# Nothing may be mounted below a directory before it is deleted.
-mounted_below() {
-	awk -v p="$1/" 'index($2, p) == 1 { found = 1 } END { exit !found }' /proc/mounts
-}
-
 # Build the chroot for version $1 in $2, unless a complete one is cached.
 prepare_chroot() {
-	local v=$1 root=$2 suite pkgs marker m
+	local v=$1 root=$2 suite pkgs marker
 	suite=$(suite_of "$v")
 	pkgs=$(packages_of "$v")
 	marker=$root/.idem-matrix-ready
@@ -204,20 +104,7 @@ prepare_chroot() {
 		echo "reusing the $suite chroot in $root"
 		return 0
 	fi
-	if mounted_below "$root"; then
-		echo "$root has mounts below it; not deleting it" >&2
-		return 1
-	fi
-	m=$(mirror) || { echo "no Debian mirror configured in /etc/apt" >&2; return 1; }
-	command -v debootstrap >/dev/null || {
-		apt-get update -qq &&
-			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null ||
-			return 1
-	}
-	echo "preparing a $suite chroot in $root"
-	rm -rf "$root"
-	mkdir -p "$root"
-	debootstrap --variant=minbase "$suite" "$root" "$m" || return 1
+	debootstrap_chroot "$root" "$suite" || return 1
 	# The mirror may be a dated snapshot whose Release files are past their
 	# Valid-Until; apt in the chroot accepts them.
 	echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idem-matrix"
@@ -233,8 +120,8 @@ prepare_chroot() {
 		apt-get update -qq &&
 		apt-get install -y -qq --no-install-recommends \
 			-o Dpkg::Options::=--force-confold $pkgs >/dev/null &&
-		apt-get clean" || { unmount_chroot "$root"; return 1; }
-	unmount_chroot "$root"
+		apt-get clean" || { unmount_below "$root"; return 1; }
+	unmount_below "$root"
 	echo "$suite: $pkgs" >"$marker"
 }
 
@@ -270,7 +157,7 @@ prepare_citus() {
 		make -s -j$(nproc) >/dev/null
 		make -s install >/dev/null"
 	rc=$?
-	unmount_chroot "$root"
+	unmount_below "$root"
 	rm -rf "$root/build/citus"
 	[ "$rc" -eq 0 ] || { echo "building Citus in $root failed" >&2; return 1; }
 	echo "$citus_sha256" >"$marker"
@@ -324,7 +211,7 @@ run_chroot() {
 		HOME=/root LANG=C.UTF-8 PG_CONFIG="/usr/lib/postgresql/$v/bin/pg_config" \
 		sh -c "cd /build/idem && $(suite_cmd "$v")"
 	rc=$?
-	unmount_chroot "$root"
+	unmount_below "$root"
 	rm -rf "$logdir/pg$v"
 	[ -d "$root/build/idem/test/output" ] &&
 		cp -a "$root/build/idem/test/output" "$logdir/pg$v"
