@@ -13,12 +13,15 @@
  * idem_begin first reads the key without a lock.  Answers that need no
  * change (replay, conflict, a live lease) come from that read and leave no
  * lock behind.  A claim of a new key is a speculative insertion; a claim
- * of a key whose window or lease is over locks exactly the version it
- * read and rewrites it.  If that version changed meanwhile, the claimer
+ * of a key whose window or lease is over updates exactly the version it
+ * read, as UPDATE does (waiting for a transaction that is changing it).
+ * If that version changed meanwhile, nothing is written and the claimer
  * decides again from the new one, so a waiter that ends up not claiming
- * holds no lock.  A call waits at most once (for the transaction that held
- * the key, bounded by lock_timeout); if the key is busy again after that,
- * it answers in flight.
+ * holds no lock.  complete, release and extend check the holder on the
+ * version read and write that version the same way.  A call waits at
+ * most once (for the transaction that held the key, bounded by
+ * lock_timeout); if the key is busy again after that, it answers in
+ * flight.
  *
  *-------------------------------------------------------------------------
  */
@@ -42,7 +45,7 @@ PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_extend);
 
-/* Bound on read/lock/insert rounds of one call; each round makes progress. */
+/* Bound on read/write rounds of one call; each round makes progress. */
 #define IDEM_MAX_CLAIM_ROUNDS	100
 
 typedef enum ClaimState
@@ -547,7 +550,7 @@ same_body(bytea *a, bytea *b)
 		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
 }
 
-/* The values of the locked row, to change and write back. */
+/* The values of the row as read, to change and write back. */
 static void
 row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
 {
