@@ -490,6 +490,16 @@ wait_context(void *arg)
 			   idem_key_for_message(kt->key));
 }
 
+/* Name the key in the context of errors raised while waiting for it. */
+static void
+push_wait_context(KeyTable *kt, ErrorContextCallback *errcb)
+{
+	errcb->callback = wait_context;
+	errcb->arg = kt;
+	errcb->previous = error_context_stack;
+	error_context_stack = errcb;
+}
+
 /*
  * Fill *row from the version in the slot.  The body is copied into
  * body_cxt, or left out if body_cxt is NULL.
@@ -647,10 +657,7 @@ keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 {
 	ErrorContextCallback errcb;
 
-	errcb.callback = wait_context;
-	errcb.arg = kt;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
+	push_wait_context(kt, &errcb);
 	if (waiter->spec_token != 0)
 		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
 	else
@@ -857,10 +864,7 @@ keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 
 	keytable_prepare_write(kt);
 	tuple = form_row(kt, kv);
-	errcb.callback = wait_context;
-	errcb.arg = kt;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
+	push_wait_context(kt, &errcb);
 	result = idem_heap_update(kt->rel, &row->tid, tuple,
 							  GetCurrentCommandId(true), wait, &tmfd,
 							  &index_new_version);
@@ -876,25 +880,36 @@ keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 	return write_result(kt, result);
 }
 
+/*
+ * Delete the row version at tid without waiting for another transaction
+ * unless wait; a version locked only by this transaction itself (it
+ * changed the key earlier) is deleted without waiting either way.
+ */
+static TM_Result
+delete_version(KeyTable *kt, ItemPointer tid, bool wait)
+{
+	TM_FailureData tmfd;
+	TM_Result	result;
+
+	result = heap_delete(kt->rel, tid, GetCurrentCommandId(true),
+						 InvalidSnapshot, wait, &tmfd, false);
+	if (result == TM_BeingModified && !wait &&
+		TransactionIdIsCurrentTransactionId(tmfd.xmax))
+		result = heap_delete(kt->rel, tid, GetCurrentCommandId(true),
+							 InvalidSnapshot, true, &tmfd, false);
+	return result;
+}
+
 /* Delete the version of the key's row in *row, as keytable_update writes. */
 KeyWrite
 keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 {
-	TM_FailureData tmfd;
 	TM_Result	result;
 	ErrorContextCallback errcb;
 
 	keytable_prepare_write(kt);
-	errcb.callback = wait_context;
-	errcb.arg = kt;
-	errcb.previous = error_context_stack;
-	error_context_stack = &errcb;
-	result = heap_delete(kt->rel, &row->tid, GetCurrentCommandId(true),
-						 InvalidSnapshot, wait, &tmfd, false);
-	if (result == TM_BeingModified && !wait &&
-		TransactionIdIsCurrentTransactionId(tmfd.xmax))
-		result = heap_delete(kt->rel, &row->tid, GetCurrentCommandId(true),
-							 InvalidSnapshot, true, &tmfd, false);
+	push_wait_context(kt, &errcb);
+	result = delete_version(kt, &row->tid, wait);
 	error_context_stack = errcb.previous;
 	return write_result(kt, result);
 }
@@ -910,7 +925,6 @@ static int64
 purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			   bool *at_end)
 {
-	CommandId	cid;
 	ItemPointerData last;
 	Snapshot	snapshot;
 	TableScanDesc scan;
@@ -920,7 +934,6 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
-	cid = GetCurrentCommandId(true);
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
 	scan = table_beginscan_tidrange(kt->rel, snapshot, cursor, &last);
@@ -929,22 +942,13 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	{
 		ItemPointerData tid = kt->slot->tts_tid;
 		bool		isnull;
-		TM_FailureData tmfd;
-		TM_Result	result;
 
 		ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
 					   ItemPointerGetOffsetNumber(&tid) + 1);
 		if (DatumGetTimestampTz(slot_getattr(kt->slot, Anum_keys_expires_at,
 											 &isnull)) > now)
 			continue;
-		result = table_tuple_delete(kt->rel, &tid, cid, snapshot,
-									InvalidSnapshot, false, &tmfd, false);
-		/* Locked by this transaction itself (it changed the key): no wait. */
-		if (result == TM_BeingModified &&
-			TransactionIdIsCurrentTransactionId(tmfd.xmax))
-			result = table_tuple_delete(kt->rel, &tid, cid, snapshot,
-										InvalidSnapshot, true, &tmfd, false);
-		if (result == TM_Ok)
+		if (delete_version(kt, &tid, false) == TM_Ok)
 			n++;
 		if (n >= limit)
 		{
