@@ -77,6 +77,19 @@ BEGIN;
 ALTER SEQUENCE idem.token_seq CACHE 50;
 SELECT try($$SELECT idem_begin('st-new', 'fp')$$);
 ROLLBACK;
+BEGIN;
+ALTER SEQUENCE idem.token_seq CYCLE;
+SELECT try($$SELECT idem_begin('st-new', 'fp')$$);
+ROLLBACK;
+BEGIN;
+ALTER TABLE idem.keys DROP CONSTRAINT keys_pkey;
+SELECT try($$SELECT idem_begin('st-new', 'fp')$$);
+ROLLBACK;
+BEGIN;
+ALTER TABLE idem.keys DROP CONSTRAINT keys_pkey,
+  ADD CONSTRAINT keys_pkey PRIMARY KEY (key, scope, token);
+SELECT try($$SELECT idem_begin('st-new', 'fp')$$);
+ROLLBACK;
 -- After the rollbacks, the table is usable again.
 SELECT idem_extend('st-held', :tok, '1 minute') IS NOT NULL AS extended;
 
