@@ -3,7 +3,8 @@
 #
 #   sh clients/node/test.sh
 #
-# Installs the locked npm modules (npm ci), starts a cluster on port 55452
+# Installs Debian's nodejs and npm if node or npm is missing (Node 18 or
+# later), the locked npm modules (npm ci), starts a cluster on port 55452
 # (IDEM_NODE_PORT) under /tmp with test/cluster.sh, creates the extension
 # (which must be installed: make && make install), runs node --test and
 # prints "N passed, N failed".  The cluster and any app server the tests
@@ -46,6 +47,25 @@ fail_setup() {
 	exit 1
 }
 
+# Node and npm from Debian's packages when the machine has none.
+if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
+	missing=""
+	command -v node >/dev/null 2>&1 || missing="nodejs"
+	command -v npm >/dev/null 2>&1 || missing="$missing npm"
+	sudo=""
+	[ "$(id -u)" -eq 0 ] || sudo="sudo"
+	echo "installing:$missing"
+	{ $sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 \
+			install -y -qq --no-install-recommends $missing; } >"$work/apt.log" 2>&1 ||
+		{ cat "$work/apt.log" >&2; fail_setup "could not install$missing"; }
+fi
+# --test-concurrency exists from Node 20.10 on; older runners take the
+# files one at a time on two cores anyway.
+concurrency=""
+node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 10) ? 0 : 1)' &&
+	concurrency="--test-concurrency=1"
+
 cd "$here" || fail_setup "no $here"
 npm ci --prefer-offline --no-audit --no-fund --loglevel=error >"$work/npm.log" 2>&1 ||
 	{ cat "$work/npm.log" >&2; fail_setup "npm ci failed"; }
@@ -63,8 +83,8 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 
 newgroup=""
 command -v setsid >/dev/null 2>&1 && newgroup="setsid -w"
 (
-	$newgroup sh -c 'echo $$ >"$0"; exec node --test --test-reporter=tap --test-concurrency=1 "$@"' \
-		"$work/node.pid" ${IDEM_NODE_TESTS:-test/*.test.js}
+	$newgroup sh -c 'echo $$ >"$0"; c=$1; shift; exec node --test --test-reporter=tap $c "$@"' \
+		"$work/node.pid" "$concurrency" ${IDEM_NODE_TESTS:-test/*.test.js}
 	echo $? >"$work/rc"
 ) 2>&1 | tee "$work/node.log" &
 wait $!
