@@ -69,7 +69,11 @@ SELECT count(*) FROM pg_stat_activity
 WHERE query = '$ddl' AND wait_event_type = 'Lock'}, '1')
 	  or die "$ddl does not wait for the purge worker";
 
-	$blocker->query_safe('COMMIT');
+	# Not query_safe: with FORCE the command terminates this session as
+	# soon as it can go on, which may come before psql has reported the
+	# COMMIT (the COMMIT itself is done by then: the command cannot go on
+	# before the worker leaves, nor the worker before this lock is gone).
+	$blocker->query('COMMIT');
 	$blocker->quit;
 	my $ok = $runner->finish;
 	diag($err) unless $ok;
