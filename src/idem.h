@@ -24,8 +24,13 @@
 #define ERRCODE_IDEM_NO_CLAIM				MAKE_SQLSTATE('I','D','0','0','3')
 #define ERRCODE_IDEM_ALREADY_COMPLETED		MAKE_SQLSTATE('I','D','0','0','4')
 
-/* Columns of idem.keys, as created by sql/idem--1.0.sql. */
-#define Natts_keys				8
+/*
+ * Columns of idem.keys, as created by sql/idem--1.0.sql; claimed_by is
+ * added by the update to 1.3 (a table of an older version has only the
+ * first eight, and its claims are bound to no role).
+ */
+#define Natts_keys				9
+#define Natts_keys_1_2			8
 #define Anum_keys_scope			1
 #define Anum_keys_key			2
 #define Anum_keys_fingerprint	3
@@ -34,6 +39,7 @@
 #define Anum_keys_body			6
 #define Anum_keys_lease_until	7
 #define Anum_keys_expires_at	8
+#define Anum_keys_claimed_by	9
 
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32
@@ -63,6 +69,6 @@ extern void idem_check_key(text *key, const char *argname,
 extern void idem_sha256(const uint8 *data, size_t len, uint8 *out);
 
 /* purge.c */
-extern int64 idem_purge_batch(TimestampTz now, int limit);
+extern int64 idem_purge_batch(TimestampTz now, int limit, bool *pass_done);
 
 #endif							/* IDEM_H */

@@ -18,7 +18,8 @@
  * If that version changed meanwhile, nothing is written and the claimer
  * decides again from the new one, so a waiter that ends up not claiming
  * holds no lock.  complete, release and extend check the holder on the
- * version read and write that version the same way.  A call waits at
+ * version read (its token and, outside the claiming transaction, its
+ * role) and write that version the same way.  A call waits at
  * most once (for the transaction that held the key, bounded by
  * lock_timeout); if the key is busy again after that, it answers in
  * flight.
@@ -31,6 +32,7 @@
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/hsearch.h"
 #include "utils/memutils.h"
@@ -204,6 +206,7 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 	kv->has_lease = true;
 	kv->lease_until = args->lease_until;
 	kv->expires_at = expires_at;
+	kv->claimed_by = GetUserId();
 }
 
 /*
@@ -465,9 +468,12 @@ typedef enum Holder
 /*
  * Check that the holder of the token argument at argno may write the key's
  * row as read; a NULL token stands for the claim this transaction made.
- * Raises the error that explains a refusal, checking who holds the key
- * before what it holds, so that a caller without the claim learns nothing
- * of the stored request.  Returns HOLDER_DONE for a completed row of the
+ * Outside the claiming transaction the token is not proof enough, since
+ * tokens are sequence numbers: the caller must also be the role that made
+ * the claim (current_user then), a member of it, or a superuser.  Raises
+ * the error that explains a refusal, checking who holds the key before
+ * what it holds, so that a caller without the claim learns nothing of the
+ * stored request.  Returns HOLDER_DONE for a completed row of the
  * same holder, which the caller accepts or refuses, and HOLDER_NONE
  * instead of an error for a missing or expired key if missing_ok.
  */
@@ -517,6 +523,14 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 						idem_key_for_message(kt->key), (long long) token),
 				 errdetail("The key's current token is %lld; token %lld was never issued for this key.",
 						   (long long) row->token, (long long) token)));
+	if (OidIsValid(row->claimed_by) && !PG_ARGISNULL(argno) &&
+		!holds_claim(row) && !has_privs_of_role(GetUserId(), row->claimed_by))
+		ereport(ERROR,
+				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
+				 errmsg("permission denied for idempotency key \"%s\"",
+						idem_key_for_message(kt->key)),
+				 errdetail("Its claim was made by another role."),
+				 errhint("Only the role that made a claim, its members and superusers can complete, release or extend it.")));
 	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
@@ -568,6 +582,7 @@ row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
 	kv->has_lease = row->has_lease;
 	kv->lease_until = row->lease_until;
 	kv->expires_at = row->expires_at;
+	kv->claimed_by = row->claimed_by;
 }
 
 /*

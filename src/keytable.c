@@ -13,14 +13,14 @@
  * - keytable_open finds the table by name under its lock, so a table
  *	 dropped and created again since the last call is found anew, and
  *	 checks that it still has the shape the install script gave it: the
- *	 eight columns (names, types, NOT NULL, no dropped columns), the heap
- *	 access method, the primary key as its only index, no CHECK
- *	 constraint, no trigger (a foreign key referencing the table is
- *	 one), and a token sequence with CACHE 1 and NO CYCLE.  A table altered
- *	 beyond that is refused with 55000, naming what idem would not
- *	 maintain, rather than written past its indexes or constraints.  The
- *	 check runs again after every invalidation of the table, its index or
- *	 the sequence.
+ *	 nine columns (eight before the update to 1.3; names, types, NOT
+ *	 NULL, no dropped columns), the heap access method, the primary key
+ *	 as its only index, no CHECK constraint, no trigger (a foreign key
+ *	 referencing the table is one), and a token sequence with CACHE 1
+ *	 and NO CYCLE.  A table altered beyond that is refused with 55000,
+ *	 naming what idem would not maintain, rather than written past its
+ *	 indexes or constraints.  The check runs again after every
+ *	 invalidation of the table, its index or the sequence.
  * - every write first refuses read-only transactions and recovery (25006,
  *	 as nextval() does) and takes RowExclusiveLock.
  * - relation locks are held until the end of the transaction.
@@ -66,6 +66,7 @@
 #include "executor/tuptable.h"
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
+#include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
@@ -80,7 +81,10 @@
 #include "citus.h"
 #include "keytable.h"
 
-/* The columns of idem.keys, as sql/idem--1.0.sql creates them. */
+/*
+ * The columns of idem.keys, as sql/idem--1.0.sql creates them and the
+ * update to 1.3 adds claimed_by.
+ */
 static const struct
 {
 	const char *name;
@@ -95,6 +99,7 @@ static const struct
 	{"body", BYTEAOID, false},
 	{"lease_until", TIMESTAMPTZOID, false},
 	{"expires_at", TIMESTAMPTZOID, true},
+	{"claimed_by", OIDOID, false},
 };
 
 /* Identity of the table, cached until an invalidation touches it. */
@@ -243,11 +248,11 @@ check_shape(Relation rel, KeyShape *shape)
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
 		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
 		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a heap table"));
-	if (desc->natts != Natts_keys)
+	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_2)
 		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
 					 errdetail("It has %d columns; idem expects %d.",
 							   desc->natts, Natts_keys));
-	for (i = 0; i < Natts_keys; i++)
+	for (i = 0; i < desc->natts; i++)
 	{
 		Form_pg_attribute att = TupleDescAttr(desc, i);
 
@@ -540,6 +545,9 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 	row->lease_until = row->has_lease ?
 		DatumGetTimestampTz(values[Anum_keys_lease_until - 1]) : 0;
 	row->expires_at = DatumGetTimestampTz(values[Anum_keys_expires_at - 1]);
+	if (slot->tts_tupleDescriptor->natts >= Anum_keys_claimed_by &&
+		!nulls[Anum_keys_claimed_by - 1])
+		row->claimed_by = DatumGetObjectId(values[Anum_keys_claimed_by - 1]);
 	{
 		bool		should_free;
 		HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
@@ -685,6 +693,9 @@ form_row(KeyTable *kt, KeyValues *kv)
 	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(kv->lease_until);
 	nulls[Anum_keys_lease_until - 1] = !kv->has_lease;
 	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(kv->expires_at);
+	/* Left out by heap_form_tuple from a table without the column. */
+	values[Anum_keys_claimed_by - 1] = ObjectIdGetDatum(kv->claimed_by);
+	nulls[Anum_keys_claimed_by - 1] = !OidIsValid(kv->claimed_by);
 	return heap_form_tuple(RelationGetDescr(kt->rel), values, nulls);
 }
 
@@ -917,14 +928,24 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 /*
  * Delete up to limit rows of kt->rel that expired at or before now, walking
  * it in physical order from *cursor, which is moved past the last row
- * looked at.  *at_end is set if the scan reached the end of the table.  A
- * row is deleted only if the version found expired is still the latest
- * and no transaction holds it: the delete never waits.
+ * looked at, and reading at most IDEM_PURGE_BATCH_PAGES pages, so that a
+ * table with few expired rows is walked in many short transactions rather
+ * than one long one.  *at_end is set if the scan reached the end of the
+ * table.  A row is deleted only if the version found expired is still the
+ * latest and no transaction holds it: the delete never waits.
+ *
+ * The scan reads through a ring of buffers (the bulk-read strategy, as a
+ * sequential scan of a table larger than a quarter of shared_buffers
+ * does), so a pass over a large table does not evict the rest of the
+ * cache.
  */
 static int64
 purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			   bool *at_end)
 {
+	BlockNumber first = ItemPointerGetBlockNumberNoCheck(cursor);
+	BlockNumber nblocks;
+	BlockNumber end;
 	ItemPointerData last;
 	Snapshot	snapshot;
 	TableScanDesc scan;
@@ -932,19 +953,31 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 
 	keytable_prepare_write(kt);
 
+	nblocks = RelationGetNumberOfBlocks(kt->rel);
+	if (first >= nblocks)
+	{
+		*at_end = true;
+		return 0;
+	}
+	end = (nblocks - first > IDEM_PURGE_BATCH_PAGES) ?
+		first + IDEM_PURGE_BATCH_PAGES : nblocks;
+
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	ItemPointerSet(&last, MaxBlockNumber, MaxOffsetNumber);
-	scan = table_beginscan_tidrange(kt->rel, snapshot, cursor, &last);
-	*at_end = true;
+	ItemPointerSet(&last, end - 1, MaxOffsetNumber);
+	/* table_beginscan_tidrange, with the strategy a sequential scan may use */
+	scan = kt->rel->rd_tableam->scan_begin(kt->rel, snapshot, 0, NULL, NULL,
+										   SO_TYPE_TIDRANGESCAN |
+										   SO_ALLOW_PAGEMODE |
+										   SO_ALLOW_STRAT);
+	kt->rel->rd_tableam->scan_set_tidrange(scan, cursor, &last);
+	*at_end = (end == nblocks);
 	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, kt->slot))
 	{
 		ItemPointerData tid = kt->slot->tts_tid;
 		bool		isnull;
 
-		ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
-					   ItemPointerGetOffsetNumber(&tid) + 1);
 		if (DatumGetTimestampTz(slot_getattr(kt->slot, Anum_keys_expires_at,
 											 &isnull)) > now)
 			continue;
@@ -952,12 +985,22 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			n++;
 		if (n >= limit)
 		{
+			/* The next batch starts after this row. */
+			ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
+						   ItemPointerGetOffsetNumber(&tid) + 1);
 			*at_end = false;
+			end = ItemPointerGetBlockNumber(&tid) + 1;
 			break;
 		}
 	}
 	table_endscan(scan);
 	UnregisterSnapshot(snapshot);
+	/* The next batch starts after the last page read. */
+	if (n < limit)
+		ItemPointerSet(cursor, end, 0);
+	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %lld rows deleted",
+		 RelationGetRelationName(kt->rel), first, end - 1, nblocks,
+		 (long long) n);
 	return n;
 }
 
@@ -1016,7 +1059,7 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		kt.slot = table_slot_create(kt.rel, NULL);
 		kt.writable = false;
 		n += purge_relation(&kt, now, limit - n, cursor, &shard_at_end);
-		if (!shard_at_end)
+		if (!shard_at_end || n >= limit)
 		{
 			*at_end = false;
 			break;

@@ -30,6 +30,7 @@ typedef struct KeyRow
 	bool		has_lease;
 	TimestampTz lease_until;
 	TimestampTz expires_at;
+	Oid			claimed_by;		/* role that made the claim; InvalidOid if none */
 	TransactionId xmin;
 	ItemPointerData tid;
 } KeyRow;
@@ -84,6 +85,7 @@ typedef struct KeyValues
 	bool		has_lease;
 	TimestampTz lease_until;
 	TimestampTz expires_at;
+	Oid			claimed_by;		/* InvalidOid for none */
 } KeyValues;
 
 extern void keytable_open(KeyTable *kt, const char *what, text *scope,
@@ -100,6 +102,9 @@ extern KeyWrite keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv,
 								bool wait);
 extern KeyWrite keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
 extern int64 keytable_next_token(void);
+/* Pages one purge batch reads at most (8 MB with 8 kB pages). */
+#define IDEM_PURGE_BATCH_PAGES	1024
+
 extern int64 keytable_purge_batch(TimestampTz now, int limit,
 								  ItemPointer cursor, bool *at_end);
 extern char *idem_key_for_message(text *key);

@@ -5,7 +5,8 @@
  *	  worker.
  *
  * Purge walks the table in physical order: each batch takes up to
- * idem.purge_batch_size expired rows from where the previous batch of this
+ * idem.purge_batch_size expired rows, reading at most
+ * IDEM_PURGE_BATCH_PAGES pages, from where the previous batch of this
  * backend stopped (a TID range scan), so a pass reads the table once and
  * needs no index on expires_at, which would make every complete a non-HOT
  * update.  A row is deleted only if the version the scan found expired is
@@ -33,16 +34,18 @@ static ItemPointerData purge_cursor = {{0, 0}, 0};
 /*
  * Delete up to limit keys that expired at or before now, walking on from
  * the previous batch; a batch that reaches the end of the table ends the
- * pass and the next one starts over.  Returns the number of rows deleted.
+ * pass (*pass_done) and the next one starts over.  Returns the number of
+ * rows deleted.
  */
 int64
-idem_purge_batch(TimestampTz now, int limit)
+idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
 {
 	bool		at_end;
 	int64		n = keytable_purge_batch(now, limit, &purge_cursor, &at_end);
 
 	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);
+	*pass_done = at_end;
 	idem_stats_add(IDEM_STAT_PURGED_ROWS, n);
 	return n;
 }
@@ -77,10 +80,10 @@ idem_purge(PG_FUNCTION_ARGS)
 	{
 		int			limit = (int) Min((int64) idem_purge_batch_size,
 									  max_rows - total);
-		int64		n = idem_purge_batch(now, limit);
+		bool		pass_done;
 
-		total += n;
-		if (n < limit && --laps == 0)
+		total += idem_purge_batch(now, limit, &pass_done);
+		if (pass_done && --laps == 0)
 			break;
 	}
 	PG_RETURN_INT64(total);

@@ -34,9 +34,9 @@ PG_FUNCTION_INFO_V1(idem_stats_reset);
 #define IDEM_STATS_MAX_DATABASES	IDEM_STATS_SLOTS
 #define IDEM_STATS_ERROR_LEN		256
 
-/* Columns of idem_stats() in 1.1: dbid, the counters, last_purge, error. */
+/* Columns of idem_stats() before 1.3: dbid, the counters, last_purge, error. */
 #define IDEM_STATS_COLS			(IDEM_STAT_NUM + 3)
-/* A later version may add purge_start_failures after them. */
+/* From 1.3 on, purge_start_failures after them. */
 #define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS + 1)
 
 typedef struct IdemDbStats
@@ -328,9 +328,8 @@ require_stats(void)
 }
 
 /*
- * idem_stats(): one row per database with counters.  A result type with
- * one more column (a later version of the SQL function) also gets the
- * database's purge_start_failures.
+ * idem_stats(): one row per database with counters, and from 1.3 on (a
+ * result type with one more column) the database's purge_start_failures.
  */
 Datum
 idem_stats(PG_FUNCTION_ARGS)

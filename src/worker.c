@@ -9,8 +9,8 @@
  * short-lived purge worker connected to each and waits for it to exit.  A
  * purge worker returns at once where the extension is not installed;
  * elsewhere it deletes expired keys with the code behind idem_purge(), one
- * batch of idem.purge_batch_size rows per transaction, until a batch finds
- * fewer rows than that.
+ * batch (at most idem.purge_batch_size rows and IDEM_PURGE_BATCH_PAGES
+ * pages) per transaction, until a batch reaches the end of the table.
  *
  * No database can hold the launcher up.  A purge worker overrides, with
  * the priority autovacuum uses, every setting a database or role could use
@@ -142,8 +142,8 @@ typedef struct IdemPurgeShared
 /* How one purge batch ended. */
 typedef enum PurgeBatchResult
 {
-	BATCH_FULL,					/* deleted a full batch: there may be more */
-	BATCH_LAST,					/* deleted less than a batch: done */
+	BATCH_MORE,					/* the pass over the table goes on */
+	BATCH_LAST,					/* the pass reached the end of the table */
 	BATCH_NO_EXTENSION,			/* idem is not installed here */
 	BATCH_YIELD,				/* a command waits for the database */
 	BATCH_STOPPED				/* purge was disabled meanwhile */
@@ -727,6 +727,7 @@ static PurgeBatchResult
 purge_batch(int batch_size)
 {
 	int64		n;
+	bool		pass_done;
 
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
@@ -745,7 +746,7 @@ purge_batch(int batch_size)
 	PushActiveSnapshot(GetTransactionSnapshot());
 
 	pgstat_report_activity(STATE_RUNNING, "idem: deleting expired keys");
-	n = idem_purge_batch(idem_now(), batch_size);
+	n = idem_purge_batch(idem_now(), batch_size, &pass_done);
 	PopActiveSnapshot();
 	CommitTransactionCommand();
 	pgstat_report_stat(false);
@@ -753,10 +754,10 @@ purge_batch(int batch_size)
 
 	purge_deleted += n;
 	purge_batches++;
-	return (n < batch_size) ? BATCH_LAST : BATCH_FULL;
+	return pass_done ? BATCH_LAST : BATCH_MORE;
 }
 
-/* Purge the current database until a batch comes back short. */
+/* Purge the current database until a batch ends the pass. */
 static PurgeBatchResult
 purge_database(void)
 {
@@ -770,7 +771,7 @@ purge_database(void)
 			return BATCH_STOPPED;
 
 		result = purge_batch(idem_purge_batch_size);
-		if (result != BATCH_FULL)
+		if (result != BATCH_MORE)
 			return result;
 	}
 }
@@ -894,7 +895,7 @@ idem_purge_main(Datum main_arg)
 			elog(DEBUG1, "idem purge: stopped in database \"%s\" after %lld keys",
 				 args.dbname, (long long) purge_deleted);
 			break;
-		case BATCH_FULL:
+		case BATCH_MORE:
 		case BATCH_LAST:
 			idem_stats_purge_done(dboid, NULL);
 			elog(DEBUG1, "idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s)",

@@ -237,7 +237,13 @@ BEGIN
 	END;
 	RETURN result;
 END $$;
+-- The live claim is the application role's.  Claims belong to the role
+-- that made them (see below), so the other roles are refused completing it
+-- even with EXECUTE; the role the grants were passed on to completes a
+-- claim of its own after the table.
+SET ROLE regress_idem_sec_app;
 SELECT token AS tok FROM idem_begin('s-live', 'fp', lease => '10 minutes') \gset
+RESET ROLE;
 SELECT set_config('test.tok', :'tok', false) IS NOT NULL AS token_set;
 SELECT key_row('', 's-live') AS row0 \gset
 SELECT q AS call,
@@ -265,6 +271,11 @@ SELECT q AS call,
     ($$SET idem.max_key_length = 1024$$)
   ) t(q);
 SELECT key_row('', 's-live') = :'row0' AS unchanged;
+SET ROLE regress_idem_sec_sub;
+SELECT token AS sub_tok FROM idem_begin('s-sub', 'fp') \gset
+SELECT idem_complete('s-sub', 'fp', 200, 'sub', :sub_tok) IS NOT NULL AS sub_completed_own_claim;
+RESET ROLE;
+DELETE FROM idem.keys WHERE key = 's-sub';
 -- A role without the grant gets 42501 and a message naming the function.
 SET ROLE regress_idem_sec_none;
 SELECT try($$SELECT idem_begin('s-none', 'fp')$$);
@@ -294,6 +305,102 @@ SELECT state AS varchar_call FROM public.idem_begin('s-ovl'::varchar, 'fp'::varc
 SELECT state AS exact_call
   FROM public.idem_begin('s-ovl'::text, 'fp'::text, NULL::interval, NULL::interval, ''::text, true::boolean);
 DROP FUNCTION public.idem_begin(varchar, varchar, interval, interval, text, boolean);
+
+--
+-- Claims belong to the role that made them.  Tokens come from one
+-- sequence, so a role with EXECUTE can guess the token of another role's
+-- claim in flight: here tenant B tries every token from five below to five
+-- above tenant A's, with each call, and gets no further than 42501 with
+-- the right one.  A's claim is untouched, and the following retry of A's
+-- request is still in flight (not executed twice).  A itself, a member of
+-- A and a superuser may complete, extend or release it.
+--
+CREATE ROLE regress_idem_tenant_a;
+CREATE ROLE regress_idem_tenant_b;
+CREATE ROLE regress_idem_tenant_a_worker IN ROLE regress_idem_tenant_a;
+CREATE ROLE regress_idem_tenant_a_noinherit NOINHERIT IN ROLE regress_idem_tenant_a;
+GRANT EXECUTE ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_complete(text, text, integer, bytea, bigint, interval, text),
+  idem_release(text, bigint, text),
+  idem_extend(text, bigint, interval, text)
+  TO regress_idem_tenant_a, regress_idem_tenant_b, regress_idem_tenant_a_worker,
+     regress_idem_tenant_a_noinherit;
+SET ROLE regress_idem_tenant_a;
+SELECT token AS a_tok FROM idem_begin('pay-1', 'fp-a', lease => '10 minutes', scope => 'tenant-a') \gset
+RESET ROLE;
+SELECT key_row('tenant-a', 'pay-1') AS a_row0 \gset
+SELECT claimed_by AS a_claimed_by FROM idem_keys WHERE scope = 'tenant-a' AND key = 'pay-1';
+SET ROLE regress_idem_tenant_b;
+SELECT t - :a_tok AS guess,
+       left(try(format($$SELECT idem_release('pay-1', %s, scope => 'tenant-a')$$, t)), 5) AS release,
+       left(try(format($$SELECT idem_extend('pay-1', %s, '1 hour', scope => 'tenant-a')$$, t)), 5) AS extend,
+       left(try(format($$SELECT idem_complete('pay-1', 'fp-a', 200, 'forged', %s, scope => 'tenant-a')$$, t)), 5) AS complete
+  FROM generate_series(:a_tok - 5, :a_tok + 5) t
+ ORDER BY t;
+-- The message for the right token.
+SELECT try(format($$SELECT idem_release('pay-1', %s, scope => 'tenant-a')$$, :a_tok));
+-- B's retry of A's request is in flight, not a new claim.
+SELECT claimed, state FROM idem_begin('pay-1', 'fp-a', scope => 'tenant-a');
+RESET ROLE;
+SELECT key_row('tenant-a', 'pay-1') = :'a_row0' AS a_claim_untouched;
+-- A role that is a member of A but does not inherit its privileges is
+-- refused as well; a member that inherits them may act for A.
+SET ROLE regress_idem_tenant_a_noinherit;
+SELECT left(try(format($$SELECT idem_extend('pay-1', %s, '1 minute', scope => 'tenant-a')$$, :a_tok)), 5)
+  AS noinherit_extend;
+SET ROLE regress_idem_tenant_a_worker;
+SELECT idem_extend('pay-1', :a_tok, '20 minutes', scope => 'tenant-a') > now() + interval '19 minutes'
+  AS member_extended;
+SET ROLE regress_idem_tenant_a;
+SELECT idem_complete('pay-1', 'fp-a', 201, 'paid', :a_tok, scope => 'tenant-a') IS NOT NULL AS a_completed;
+SELECT state, status, convert_from(body, 'UTF8') AS body
+  FROM idem_begin('pay-1', 'fp-a', scope => 'tenant-a');
+RESET ROLE;
+-- A takeover after the lease binds the key to the role that took it over:
+-- the earlier holder's token is superseded (ID002, not 42501) and B holds
+-- the new claim.
+SET idem.clock_offset = '-1h';
+SET ROLE regress_idem_tenant_a;
+SELECT token AS a2_tok FROM idem_begin('pay-2', 'fp', lease => '1 minute', scope => 'tenant-a') \gset
+RESET ROLE;
+RESET idem.clock_offset;
+SET ROLE regress_idem_tenant_b;
+SELECT claimed, token AS b2_tok FROM idem_begin('pay-2', 'fp', scope => 'tenant-a') \gset
+SELECT :'claimed' AS b_took_over;
+SET ROLE regress_idem_tenant_a;
+SELECT left(try(format($$SELECT idem_complete('pay-2', 'fp', 200, 'late', %s, scope => 'tenant-a')$$, :a2_tok)), 5)
+  AS old_holder_complete,
+       left(try(format($$SELECT idem_complete('pay-2', 'fp', 200, 'late', %s, scope => 'tenant-a')$$, :b2_tok)), 5)
+  AS new_token_complete;
+SET ROLE regress_idem_tenant_b;
+SELECT idem_release('pay-2', :b2_tok, scope => 'tenant-a') AS b_released;
+RESET ROLE;
+-- Inside the claiming transaction the claim is proof enough, whatever the
+-- current role: a claim made in a SECURITY DEFINER function owned by A is
+-- A's, and completed by the caller later in the same transaction.
+CREATE FUNCTION regress_claim_as_a(k text) RETURNS bigint LANGUAGE sql SECURITY DEFINER
+  AS $$ SELECT token FROM public.idem_begin(k, 'fp', scope => 'tenant-a') $$;
+ALTER FUNCTION regress_claim_as_a(text) OWNER TO regress_idem_tenant_a;
+GRANT EXECUTE ON FUNCTION regress_claim_as_a(text) TO regress_idem_tenant_b;
+SET ROLE regress_idem_tenant_b;
+BEGIN;
+SELECT regress_claim_as_a('pay-3') AS a3_tok \gset
+SELECT idem_complete('pay-3', 'fp', 200, 'same transaction', scope => 'tenant-a') IS NOT NULL AS completed_in_claiming_xact;
+COMMIT;
+RESET ROLE;
+SELECT key, status, claimed_by FROM idem_keys WHERE scope = 'tenant-a' ORDER BY key;
+-- The superuser may release any claim.
+SET ROLE regress_idem_tenant_a;
+SELECT token AS a4_tok FROM idem_begin('pay-4', 'fp', scope => 'tenant-a') \gset
+RESET ROLE;
+SELECT idem_release('pay-4', :a4_tok, scope => 'tenant-a') AS superuser_released;
+DELETE FROM idem.keys WHERE scope = 'tenant-a';
+DROP FUNCTION regress_claim_as_a(text);
+DROP OWNED BY regress_idem_tenant_a, regress_idem_tenant_b, regress_idem_tenant_a_worker,
+  regress_idem_tenant_a_noinherit;
+DROP ROLE regress_idem_tenant_a_worker, regress_idem_tenant_a_noinherit, regress_idem_tenant_a,
+  regress_idem_tenant_b;
 
 DROP FUNCTION try_as(name, text);
 DROP OWNED BY regress_idem_sec_sub, regress_idem_sec_app, regress_idem_sec_ops;

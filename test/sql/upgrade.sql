@@ -96,7 +96,8 @@ SELECT idem_complete('u-done', 'fp-d', 409, 'other tenant', :tok_scoped, scope =
 SELECT token AS tok_released FROM idem_begin('u-released', 'fp') \gset
 SELECT idem_release('u-released', :tok_released) AS released;
 SELECT :tok_done < :tok_flight AND :tok_flight < :tok_scoped AND :tok_scoped < :tok_released AS tokens_ascending;
-SELECT md5(string_agg(k::text, ',' ORDER BY scope, key)) AS rows_before FROM idem.keys k \gset
+SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
+                      ',' ORDER BY scope, key)) AS rows_before FROM idem.keys k \gset
 -- Under 1.0 PUBLIC may call the claim functions; one application role was
 -- also granted idem_begin explicitly.
 GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
@@ -109,7 +110,9 @@ ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 
 -- The rows are untouched.
-SELECT md5(string_agg(k::text, ',' ORDER BY scope, key)) = :'rows_before' AS rows_unchanged
+SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
+                      ',' ORDER BY scope, key)) = :'rows_before' AS rows_unchanged,
+       count(claimed_by) AS bound_to_a_role
   FROM idem.keys k;
 -- The completed keys replay their own responses, byte for byte.
 SELECT scope, claimed, state, token, status, body
@@ -203,7 +206,55 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
                               'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE') AS app_grant_kept;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
 
+-- An update from 1.2: idem_stats() gains purge_start_failures, so it and
+-- its view are created again; the grants made on them are kept and stay
+-- out of the initial privileges (pg_dump keeps them).  A claim made under
+-- 1.2 is bound to no role: another role with its token may still complete
+-- it.  Claims made after the update are bound.
 \c :regress_db
+CREATE DATABASE regress_idem_v12 TEMPLATE regress_idem_tpl;
+CREATE ROLE regress_idem_upgrade_ops;
+\c regress_idem_v12
+CREATE EXTENSION idem VERSION '1.2';
+GRANT EXECUTE ON FUNCTION idem_stats() TO regress_idem_upgrade_ops WITH GRANT OPTION;
+GRANT SELECT ON idem_stats, idem_keys TO regress_idem_upgrade_ops;
+GRANT EXECUTE ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_complete(text, text, integer, bytea, bigint, interval, text)
+  TO regress_idem_upgrade_app;
+SELECT token AS tok12 FROM idem_begin('u12-flight', 'fp', lease => '10 minutes') \gset
+SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
+                      ',' ORDER BY scope, key)) AS rows12 FROM idem.keys k \gset
+ALTER EXTENSION idem UPDATE;
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
+                      ',' ORDER BY scope, key)) = :'rows12' AS rows_unchanged,
+       count(claimed_by) AS bound_to_a_role
+  FROM idem.keys k;
+SELECT object, acl, init_acl FROM ext_objects()
+ WHERE object LIKE '%idem_stats%' OR object LIKE '%idem_keys%';
+SET ROLE regress_idem_upgrade_ops;
+SELECT count(*) >= 0 AS ops_reads_stats, count(purge_start_failures) = count(*) AS has_start_failures
+  FROM idem_stats;
+SELECT key, state, claimed_by FROM idem_keys ORDER BY key;
+RESET ROLE;
+SET ROLE regress_idem_upgrade_app;
+SELECT idem_complete('u12-flight', 'fp', 200, 'done', :tok12) IS NOT NULL AS unbound_claim_completed;
+RESET ROLE;
+SELECT token AS tok13 FROM idem_begin('u13-flight', 'fp', lease => '10 minutes') \gset
+SET ROLE regress_idem_upgrade_app;
+SELECT try(format($$SELECT idem_complete('u13-flight', 'fp', 200, 'x', %s)$$, :tok13));
+RESET ROLE;
+SELECT key, state, claimed_by = current_user::regrole AS bound_to_claimer FROM idem_keys ORDER BY key;
+-- The same objects as a fresh install, grants aside.
+SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v12_defs FROM ext_objects() \gset
+\c regress_idem_v11
+SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) = :'v12_defs' AS same_as_fresh
+  FROM ext_objects();
+
+\c :regress_db
+DROP DATABASE regress_idem_v12;
+DROP ROLE regress_idem_upgrade_ops;
 DROP DATABASE regress_idem_v10;
 DROP DATABASE regress_idem_v11;
 DROP DATABASE regress_idem_defpriv;

@@ -210,6 +210,9 @@ ok( $small->poll_query_until('postgres', q{
 SELECT last_purge_error FROM idem_stats WHERE datname = 'postgres'},
 		'purge worker not started: all 3 background worker slots (max_worker_processes) were in use'),
 	'idem_stats: the failed start is recorded');
+ok( $small->safe_psql('postgres', q{
+SELECT purge_start_failures FROM idem_stats WHERE datname = 'postgres'}) >= 1,
+	'idem_stats: purge_start_failures counts it');
 is( $small->safe_psql('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key LIKE 'p-%'"),
 	'25', 'nothing purged while no slot is free');
@@ -223,6 +226,9 @@ ok( $small->poll_query_until('postgres',
 ok( $small->poll_query_until('postgres', q{
 SELECT last_purge_error IS NULL FROM idem_stats WHERE datname = 'postgres'}),
 	'idem_stats: the error is cleared');
+my $failures = $small->safe_psql('postgres', q{
+SELECT purge_start_failures FROM idem_stats WHERE datname = 'postgres'});
+ok($failures >= 1, "purge_start_failures stays after the purge ($failures)");
 
 eval { $_->quit } for @sessions;
 @sessions = ();
