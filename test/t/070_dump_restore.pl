@@ -180,6 +180,23 @@ is(sql('dst', $rows_sql),
 	'dst: the restored rows are the live source rows, byte for byte');
 check_restored('src', 'dst', $last_token, %tok);
 
+# A claim belongs to its role across a dump and a restore into the same
+# cluster: another role with the token is refused, the claiming role
+# completes it.
+sql('postgres', 'CREATE ROLE other');
+sql('src', "GRANT EXECUTE ON FUNCTION $app_functions TO other");
+my $app_tok = sql('src',
+	"SET ROLE app; SELECT token FROM idem_begin('app-flight', 'fp', lease => '10 minutes')");
+dump_and_restore('src', 'dst_roles');
+is(sql('dst_roles', "SELECT claimed_by FROM idem_keys WHERE key = 'app-flight'"),
+	'app', 'dst_roles: the claim is still app\'s');
+my ($ret, $out, $err) = $node->psql('dst_roles',
+	"SET ROLE other; SELECT idem_complete('app-flight', 'fp', 200, 'forged', $app_tok)");
+like($err, qr/permission denied for idempotency key "app-flight"/,
+	'dst_roles: another role with the token is refused');
+is(sql('dst_roles', "SET ROLE app; SELECT idem_complete('app-flight', 'fp', 200, 'paid', $app_tok) IS NOT NULL"),
+	't', 'dst_roles: app completes its claim');
+
 # A database created at 1.0, with keys and a grant, then updated.
 sql('postgres', 'CREATE DATABASE src10');
 sql('src10', "CREATE EXTENSION idem VERSION '1.0'; GRANT EXECUTE ON FUNCTION $app_functions TO app");
