@@ -240,10 +240,10 @@ for body in 16 4096; do
 	sql "WITH src AS MATERIALIZED (SELECT g, $bodyexpr AS body FROM generate_series(1, $n) g)
 		SELECT count(*) FROM src, LATERAL idem_begin('s' || g, 'fp') b,
 		LATERAL idem_complete('s' || g, 'fp', 200, src.body, b.token) c" >/dev/null
-	# The plain table goes through the same life: insert the claim, then
-	# update it with the response.
-	sqls "INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at)
-		SELECT scope, key, fingerprint, token, now(), expires_at FROM idem.keys" \
+	# The plain table goes through the same life: insert the claim (with
+	# its role), then update it with the response.
+	sqls "INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at, claimed_by)
+		SELECT scope, key, fingerprint, token, now(), expires_at, claimed_by FROM idem.keys" \
 		"UPDATE plain_keys p SET status = k.status, body = k.body, lease_until = NULL
 		FROM idem.keys k WHERE p.scope = k.scope AND p.key = k.key" \
 		"VACUUM ANALYZE idem.keys, plain_keys" >/dev/null

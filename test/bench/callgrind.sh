@@ -27,7 +27,8 @@ command -v valgrind >/dev/null || {
 [ "$(id -u)" -eq 0 ] && sh "$top/test/user.sh" && chown idemtest "$dir"
 as_owner "'$bindir/initdb' -D '$dir/data' -A trust -U postgres >/dev/null"
 
-setup="CREATE EXTENSION idem;${IDEM_CG_SETUP:-}"
+# IDEM_CG_VERSION=1.2 measures a table of that version (no claimed_by).
+setup="CREATE EXTENSION idem${IDEM_CG_VERSION:+ VERSION '$IDEM_CG_VERSION'};${IDEM_CG_SETUP:-}"
 claims="SELECT count(*) FROM generate_series(1, $n) g, idem_begin('k' || g, 'fp');"
 completes="SELECT count(*) FROM idem.keys k, idem_complete(k.key, 'fp', 200, convert_to('{\"id\":' || k.token || '}', 'UTF8'), k.token);"
 replays="SELECT count(*) FROM generate_series(1, $n) g, idem_begin('k' || g, 'fp') b WHERE b.state = 'DONE';"
