@@ -1,5 +1,5 @@
 -- idem, one transaction: claim, business write, response.
-\set k random(1, 2000000000)
+\set k random(1, 1000000000000000000)
 \set aid random(1, 100000)
 BEGIN;
 SELECT claimed FROM idem_begin(:client_id::text || '-' || :k::text, 'fp');

@@ -1,5 +1,5 @@
 -- Plain SQL, one transaction.
-\set k random(1, 2000000000)
+\set k random(1, 1000000000000000000)
 \set aid random(1, 100000)
 BEGIN;
 INSERT INTO plain_keys (scope, key, fingerprint, token, lease_until, expires_at) VALUES ('', :client_id::text || '-' || :k::text, sha256('fp'::bytea), nextval('plain_token_seq'), clock_timestamp() + '60s', clock_timestamp() + '1 day') ON CONFLICT DO NOTHING;
