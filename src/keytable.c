@@ -928,9 +928,9 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 /*
  * Delete up to limit rows of kt->rel that expired at or before now, walking
  * it in physical order from *cursor, which is moved past the last row
- * looked at, and reading at most IDEM_PURGE_BATCH_PAGES pages, so that a
- * table with few expired rows is walked in many short transactions rather
- * than one long one.  *at_end is set if the scan reached the end of the
+ * looked at, and reading at most *pages pages (which is decreased by the
+ * pages read), so that a table with few expired rows is walked in many
+ * short transactions rather than one long one.  *at_end is set if the scan reached the end of the
  * table.  A row is deleted only if the version found expired is still the
  * latest and no transaction holds it: the delete never waits.
  *
@@ -941,7 +941,7 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
  */
 static int64
 purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
-			   bool *at_end)
+			   BlockNumber *pages, bool *at_end)
 {
 	BlockNumber first = ItemPointerGetBlockNumberNoCheck(cursor);
 	BlockNumber nblocks;
@@ -959,8 +959,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 		*at_end = true;
 		return 0;
 	}
-	end = (nblocks - first > IDEM_PURGE_BATCH_PAGES) ?
-		first + IDEM_PURGE_BATCH_PAGES : nblocks;
+	end = (nblocks - first > *pages) ? first + *pages : nblocks;
 
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
@@ -998,6 +997,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	/* The next batch starts after the last page read. */
 	if (n < limit)
 		ItemPointerSet(cursor, end, 0);
+	*pages -= end - first;
 	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %lld rows deleted",
 		 RelationGetRelationName(kt->rel), first, end - 1, nblocks,
 		 (long long) n);
@@ -1014,8 +1014,10 @@ static int64 purge_shardid = 0;
 /*
  * Delete up to limit rows that expired at or before now, walking the table
  * in physical order from *cursor, which is moved past the last row looked
- * at.  *at_end is set if the scan reached the end of the table (of the
- * last shard placed on this node, if Citus distributes it).
+ * at, and reading at most IDEM_PURGE_BATCH_PAGES pages (over all the
+ * shards it walks, if Citus distributes the table).  *at_end is set if the
+ * scan reached the end of the table (of the last shard placed on this
+ * node, if Citus distributes it).
  */
 int64
 keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
@@ -1023,13 +1025,14 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 {
 	KeyTable	kt;
 	int64		n = 0;
+	BlockNumber pages = IDEM_PURGE_BATCH_PAGES;
 	List	   *shards;
 	ListCell   *lc;
 
 	keytable_open(&kt, "idem_purge()", NULL, NULL);
 	if (likely(keys_distcol == 0))
 	{
-		n = purge_relation(&kt, now, limit, cursor, at_end);
+		n = purge_relation(&kt, now, limit, cursor, &pages, at_end);
 		keytable_close(&kt);
 		return n;
 	}
@@ -1058,8 +1061,8 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		open_shard(&kt, shard->relid);
 		kt.slot = table_slot_create(kt.rel, NULL);
 		kt.writable = false;
-		n += purge_relation(&kt, now, limit - n, cursor, &shard_at_end);
-		if (!shard_at_end || n >= limit)
+		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end);
+		if (!shard_at_end || n >= limit || pages == 0)
 		{
 			*at_end = false;
 			break;
