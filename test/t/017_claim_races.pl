@@ -8,6 +8,11 @@
 #    (a new one every quarter second) with wait => false under a 20 ms
 #    lock_timeout; the holder keeps its transaction open for 300 ms.  A
 #    non-holder that waited for it would fail with 55P03: none may.
+# 3. Claims belong to their role.  Two roles, four clients each, claim,
+#    commit and release one key in a loop; a client that finds the key in
+#    flight tries to release it with the token of its latest claim, when
+#    another role made that claim.  No such release may succeed, and every
+#    holder's own release must.
 use strict;
 use warnings;
 use IPC::Run;
@@ -28,22 +33,39 @@ CREATE TABLE nowait (claimed boolean NOT NULL);
 
 my $dir = PostgreSQL::Test::Utils::tempdir();
 
-# Run a pgbench script; returns its exit status, stdout and stderr.
+# Start a pgbench script with the given clients as the given role (the
+# bootstrap superuser if undef); returns a handle for pgbench_finish.
+sub pgbench_start
+{
+	my ($name, $script, $seconds, $clients, $role) = @_;
+	my $file = "$dir/$name.sql";
+	PostgreSQL::Test::Utils::append_to_file($file, $script) unless -e $file;
+	my %run = (name => $name, out => '', err => '');
+	$run{h} = IPC::Run::start(
+		[
+			'pgbench', '-n', '-c', $clients, '-j', 2, '-T', $seconds, '-f', $file,
+			'-h', $node->host, '-p', $node->port,
+			(defined $role ? ('-U', $role) : ()), 'postgres'
+		],
+		'>', \$run{out}, '2>', \$run{err});
+	return \%run;
+}
+
+# Wait for a pgbench started by pgbench_start; returns its exit status,
+# stdout and stderr.
+sub pgbench_finish
+{
+	my ($run) = @_;
+	$run->{h}->finish;
+	note "pgbench $run->{name} stdout:\n$run->{out}\nstderr:\n$run->{err}";
+	return ($run->{h}->result(0), $run->{out}, $run->{err});
+}
+
+# Run a pgbench script with eight clients.
 sub pgbench
 {
 	my ($name, $script, $seconds) = @_;
-	my $file = "$dir/$name.sql";
-	PostgreSQL::Test::Utils::append_to_file($file, $script);
-	my ($out, $err) = ('', '');
-	my $h = IPC::Run::start(
-		[
-			'pgbench', '-n', '-c', 8, '-j', 2, '-T', $seconds, '-f', $file,
-			'-h', $node->host, '-p', $node->port, 'postgres'
-		],
-		'>', \$out, '2>', \$err);
-	$h->finish;
-	note "pgbench $name stdout:\n$out\nstderr:\n$err";
-	return ($h->result(0), $out, $err);
+	return pgbench_finish(pgbench_start($name, $script, $seconds, 8));
 }
 
 # --- 1. Tokens per key only grow.
@@ -90,6 +112,61 @@ SELECT count(*) FILTER (WHERE claimed), count(*) FILTER (WHERE NOT claimed),
 FROM nowait});
 cmp_ok($others, '>=', 100, "$others claims answered in flight");
 is($holders, $keys, "each of the $keys keys had exactly one holder");
+
+# --- 3. Claims belong to their role.
+$node->safe_psql('postgres', q{
+CREATE ROLE race_a LOGIN;
+CREATE ROLE race_b LOGIN;
+GRANT EXECUTE ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_release(text, bigint, text)
+  TO race_a, race_b;
+CREATE TABLE rclaims (token bigint NOT NULL, role name NOT NULL);
+CREATE TABLE rown (role name NOT NULL, token bigint NOT NULL, released boolean);
+CREATE TABLE rcross (role name NOT NULL, token bigint NOT NULL, holder name NOT NULL,
+                     outcome text NOT NULL);
+GRANT SELECT, INSERT ON rclaims, rown, rcross TO race_a, race_b;
+-- Release the key with another role's token: the outcome, or the SQLSTATE.
+CREATE FUNCTION cross_release(tok bigint) RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+	RETURN CASE WHEN idem_release('rr', tok) THEN 'released' ELSE 'no key' END;
+EXCEPTION WHEN OTHERS THEN
+	RETURN SQLSTATE;
+END $$;
+});
+my $script = q{
+BEGIN;
+SELECT claimed, coalesce(token, 0) AS token FROM idem_begin('rr', 'f', lease => '1 min') \gset
+\if :claimed
+INSERT INTO rclaims VALUES (:token, current_user);
+COMMIT;
+SELECT pg_sleep(0.002);
+INSERT INTO rown SELECT current_user, :token, idem_release('rr', :token);
+\else
+COMMIT;
+INSERT INTO rcross
+SELECT current_user, c.token, c.role, cross_release(c.token)
+  FROM (SELECT token, role FROM rclaims ORDER BY token DESC LIMIT 1) c
+ WHERE c.role <> current_user;
+\endif
+};
+my @runs = map { pgbench_start("roles_$_", $script, 10, 4, "race_$_") } qw(a b);
+for my $run (@runs)
+{
+	($rc, $out, $err) = pgbench_finish($run);
+	is($rc, 0, "pgbench as $run->{name}: ran without error");
+	unlike($err, qr/ERROR/, "$run->{name}: no client got an SQL error");
+}
+my ($own, $own_failed, $roles) = split /\|/, $node->safe_psql('postgres', q{
+SELECT count(*), count(*) FILTER (WHERE released IS NOT TRUE), count(DISTINCT role) FROM rown});
+cmp_ok($own, '>=', 50, "$own claims by $roles roles");
+is($own_failed, '0', 'every holder released its own claim');
+my ($cross, $stolen, $refused) = split /\|/, $node->safe_psql('postgres', q{
+SELECT count(*), count(*) FILTER (WHERE outcome = 'released'),
+       count(*) FILTER (WHERE outcome = '42501') FROM rcross});
+note "cross-role releases: $cross tried, $refused refused with 42501";
+cmp_ok($cross, '>=', 10, "$cross releases tried with another role's token");
+is($stolen, '0', "no release with another role's token succeeded");
 
 $node->stop;
 done_testing();
