@@ -55,6 +55,14 @@ SELECT try($$SELECT idem_extend('st-held', $$ || :tok || $$, '5 minutes')$$);
 ALTER TABLE idem.keys DROP COLUMN note;
 SELECT try($$SELECT idem_extend('st-held', $$ || :tok || $$, '5 minutes')$$);
 ROLLBACK;
+-- claimed_by cannot be dropped or retyped (the extension and the
+-- idem_keys view depend on it), and a changed one is refused.
+SELECT try($$ALTER TABLE idem.keys DROP COLUMN claimed_by$$);
+SELECT try($$ALTER TABLE idem.keys ALTER COLUMN claimed_by TYPE bigint$$);
+BEGIN;
+ALTER TABLE idem.keys ALTER COLUMN claimed_by SET NOT NULL;
+SELECT try($$SELECT idem_extend('st-held', $$ || :tok || $$, '5 minutes')$$);
+ROLLBACK;
 BEGIN;
 ALTER TABLE idem.keys ADD CONSTRAINT http_status CHECK (status BETWEEN 100 AND 599);
 SELECT try($$SELECT idem_complete('st-held', 'fp', 700, 'x', $$ || :tok || $$)$$);
