@@ -73,13 +73,13 @@ BEGIN
 				 ON d.oid OPERATOR(pg_catalog.=) s.dbid;
 
 	FOR r IN
-		SELECT o.object, o.owner, a.grantee, a.privilege_type, a.is_grantable, o.old
+		SELECT o.object, a.grantee
 		  FROM (SELECT 'FUNCTION @extschema@.idem_stats()' AS object,
-					   p.proowner AS owner, p.proacl AS acl, func_acl AS old
+					   p.proowner AS owner, p.proacl AS acl
 				  FROM pg_catalog.pg_proc p
 				 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure
 				UNION ALL
-				SELECT 'TABLE @extschema@.idem_stats', c.relowner, c.relacl, view_acl
+				SELECT 'TABLE @extschema@.idem_stats', c.relowner, c.relacl
 				  FROM pg_catalog.pg_class c
 				 WHERE c.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats'::pg_catalog.regclass) o
 		 CROSS JOIN LATERAL pg_catalog.aclexplode(o.acl) a

@@ -930,9 +930,10 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
  * it in physical order from *cursor, which is moved past the last row
  * looked at, and reading at most *pages pages (which is decreased by the
  * pages read), so that a table with few expired rows is walked in many
- * short transactions rather than one long one.  *at_end is set if the scan reached the end of the
- * table.  A row is deleted only if the version found expired is still the
- * latest and no transaction holds it: the delete never waits.
+ * short transactions rather than one long one.  *at_end is set if the scan
+ * reached the end of the table.  A row is deleted only if the version
+ * found expired is still the latest and no transaction holds it: the
+ * delete never waits.
  *
  * The scan reads through a ring of buffers (the bulk-read strategy, as a
  * sequential scan of a table larger than a quarter of shared_buffers

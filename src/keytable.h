@@ -88,6 +88,9 @@ typedef struct KeyValues
 	Oid			claimed_by;		/* InvalidOid for none */
 } KeyValues;
 
+/* Pages one purge batch reads at most (8 MB with 8 kB pages). */
+#define IDEM_PURGE_BATCH_PAGES	1024
+
 extern void keytable_open(KeyTable *kt, const char *what, text *scope,
 						  text *key);
 extern void keytable_close(KeyTable *kt);
@@ -102,9 +105,6 @@ extern KeyWrite keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv,
 								bool wait);
 extern KeyWrite keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
 extern int64 keytable_next_token(void);
-/* Pages one purge batch reads at most (8 MB with 8 kB pages). */
-#define IDEM_PURGE_BATCH_PAGES	1024
-
 extern int64 keytable_purge_batch(TimestampTz now, int limit,
 								  ItemPointer cursor, bool *at_end);
 extern char *idem_key_for_message(text *key);

@@ -31,6 +31,14 @@ LANGUAGE sql AS $$
 	  FROM aclexplode(coalesce(acl, acldefault(objtype, owner))) a
 	 WHERE a.privilege_type <> 'MAINTAIN'
 $$;
+-- A digest of the stored keys, their columns up to 1.2 (an update must
+-- leave them byte for byte as they were).
+CREATE FUNCTION rows_digest() RETURNS text LANGUAGE plpgsql AS $$
+BEGIN
+	RETURN (SELECT md5(string_agg((scope, key, fingerprint, token, status, body,
+								  lease_until, expires_at)::text, ',' ORDER BY scope, key))
+			  FROM idem.keys);
+END $$;
 -- Every object of the extension (row types aside): its privileges, its
 -- initial privileges as pg_dump compares them, and a description of its
 -- definition.
@@ -96,8 +104,7 @@ SELECT idem_complete('u-done', 'fp-d', 409, 'other tenant', :tok_scoped, scope =
 SELECT token AS tok_released FROM idem_begin('u-released', 'fp') \gset
 SELECT idem_release('u-released', :tok_released) AS released;
 SELECT :tok_done < :tok_flight AND :tok_flight < :tok_scoped AND :tok_scoped < :tok_released AS tokens_ascending;
-SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
-                      ',' ORDER BY scope, key)) AS rows_before FROM idem.keys k \gset
+SELECT rows_digest() AS rows_before \gset
 -- Under 1.0 PUBLIC may call the claim functions; one application role was
 -- also granted idem_begin explicitly.
 GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
@@ -110,10 +117,8 @@ ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 
 -- The rows are untouched.
-SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
-                      ',' ORDER BY scope, key)) = :'rows_before' AS rows_unchanged,
-       count(claimed_by) AS bound_to_a_role
-  FROM idem.keys k;
+SELECT rows_digest() = :'rows_before' AS rows_unchanged,
+       (SELECT count(claimed_by) FROM idem.keys) AS bound_to_a_role;
 -- The completed keys replay their own responses, byte for byte.
 SELECT scope, claimed, state, token, status, body
   FROM (VALUES (''), ('tenant-9')) s(scope),
@@ -223,14 +228,11 @@ GRANT EXECUTE ON FUNCTION
   idem_complete(text, text, integer, bytea, bigint, interval, text)
   TO regress_idem_upgrade_app;
 SELECT token AS tok12 FROM idem_begin('u12-flight', 'fp', lease => '10 minutes') \gset
-SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
-                      ',' ORDER BY scope, key)) AS rows12 FROM idem.keys k \gset
+SELECT rows_digest() AS rows12 \gset
 ALTER EXTENSION idem UPDATE;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
-SELECT md5(string_agg((scope, key, fingerprint, token, status, body, lease_until, expires_at)::text,
-                      ',' ORDER BY scope, key)) = :'rows12' AS rows_unchanged,
-       count(claimed_by) AS bound_to_a_role
-  FROM idem.keys k;
+SELECT rows_digest() = :'rows12' AS rows_unchanged,
+       (SELECT count(claimed_by) FROM idem.keys) AS bound_to_a_role;
 SELECT object, acl, init_acl FROM ext_objects()
  WHERE object LIKE '%idem_stats%' OR object LIKE '%idem_keys%';
 SET ROLE regress_idem_upgrade_ops;
