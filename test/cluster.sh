@@ -12,10 +12,13 @@ bindir=$(pg_config --bindir)
 cmd=$1
 dir=$2
 shift 2
+# Commands run as the cluster's owner start in /, since the caller's
+# directory (say /root) may be closed to that user.
+case "$dir" in /*) ;; *) dir=$PWD/$dir ;; esac
 
 as_owner() {
 	if [ "$(id -u)" -eq 0 ]; then
-		su idemtest -s /bin/sh -c "$1"
+		su idemtest -s /bin/sh -c "cd / && $1"
 	else
 		sh -c "$1"
 	fi

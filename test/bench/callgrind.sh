@@ -14,7 +14,7 @@ trap '[ -n "${IDEM_KEEP:-}" ] || rm -rf "$dir"' EXIT INT TERM
 
 as_owner() {
 	if [ "$(id -u)" -eq 0 ]; then
-		su idemtest -s /bin/sh -c "$1"
+		su idemtest -s /bin/sh -c "cd / && $1"
 	else
 		sh -c "$1"
 	fi
