@@ -19,7 +19,7 @@ dir=/tmp/idem-python.$$
 #    see them).
 pkgs="python3 python3-psycopg python3-psycopg-pool python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
-	python3-flask python3-werkzeug python3-setuptools postgresql-client-15"
+	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
