@@ -337,8 +337,12 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 					set_in_flight(res, NULL);
 					return;
 				}
-				keytable_wait(kt, &waiter);
-				may_wait = false;
+				/*
+				 * Waiting for a speculative insertion to finish is not the
+				 * wait for its transaction, which may still hold the key.
+				 */
+				if (keytable_wait(kt, &waiter))
+					may_wait = false;
 				break;
 			case PROBE_COMMITTED:
 				/* Claimed and committed after this snapshot was taken. */

@@ -659,19 +659,27 @@ keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 	return result;
 }
 
-/* Wait for the transaction a probe found inserting or deleting the key. */
-void
+/*
+ * Wait for the transaction a probe found inserting or deleting the key.
+ * A version still being inserted speculatively is waited for only until
+ * its insertion is confirmed or undone, which happens before its
+ * transaction ends; returns true if the wait lasted until the transaction
+ * ended, false if it was such a short wait.
+ */
+bool
 keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 {
 	ErrorContextCallback errcb;
+	bool		speculative = waiter->spec_token != 0;
 
 	push_wait_context(kt, &errcb);
-	if (waiter->spec_token != 0)
+	if (speculative)
 		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
 	else
 		XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,
 						  XLTW_InsertIndexUnique);
 	error_context_stack = errcb.previous;
+	return !speculative;
 }
 
 /* A heap tuple of idem.keys with the values of kv. */

@@ -97,7 +97,7 @@ extern void keytable_close(KeyTable *kt);
 extern void keytable_prepare_write(KeyTable *kt);
 extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
 extern KeyProbe keytable_probe(KeyTable *kt, KeyWaiter *waiter);
-extern void keytable_wait(KeyTable *kt, KeyWaiter *waiter);
+extern bool keytable_wait(KeyTable *kt, KeyWaiter *waiter);
 extern bool keytable_insert(KeyTable *kt, KeyValues *kv);
 extern bool keytable_read_for_write(KeyTable *kt, KeyRow *row,
 									MemoryContext body_cxt);

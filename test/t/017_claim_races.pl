@@ -8,7 +8,13 @@
 #    (a new one every quarter second) with wait => false under a 20 ms
 #    lock_timeout; the holder keeps its transaction open for 300 ms.  A
 #    non-holder that waited for it would fail with 55P03: none may.
-# 3. Claims belong to their role.  Two roles, four clients each, claim,
+# 3. A waiter waits until the holder's transaction ends.  Eight clients
+#    claim the same new key (a new one every 10 ms) and the holder
+#    completes it in the claiming transaction, so every other client must
+#    get the replay.  One that found the key still being inserted
+#    (speculatively) once took that short wait for its one wait and
+#    answered in flight while the holder's transaction was still open.
+# 4. Claims belong to their role.  Two roles, four clients each, claim,
 #    commit and release one key in a loop; a client that finds the key in
 #    flight tries to release it with the token of its latest claim, when
 #    another role made that claim.  No such release may succeed, and every
@@ -29,6 +35,7 @@ $node->safe_psql('postgres', q{
 CREATE EXTENSION idem;
 CREATE TABLE claims (token bigint NOT NULL, prev_max bigint NOT NULL);
 CREATE TABLE nowait (claimed boolean NOT NULL);
+CREATE TABLE waited (claimed boolean NOT NULL, state text NOT NULL);
 });
 
 my $dir = PostgreSQL::Test::Utils::tempdir();
@@ -113,7 +120,30 @@ FROM nowait});
 cmp_ok($others, '>=', 100, "$others claims answered in flight");
 is($holders, $keys, "each of the $keys keys had exactly one holder");
 
-# --- 3. Claims belong to their role.
+# --- 3. A waiter waits until the holder's transaction ends.
+($rc, $out, $err) = pgbench('waiters', q{
+SELECT floor(extract(epoch FROM clock_timestamp()) * 100)::bigint AS n \gset
+BEGIN;
+INSERT INTO waited SELECT claimed, state FROM idem_begin('w-' || :n, 'f') RETURNING claimed \gset
+\if :claimed
+SELECT idem_complete('w-' || :n, 'f', 200, 'paid');
+\endif
+COMMIT;
+}, 10);
+is($rc, 0, 'pgbench: claim and complete in one transaction ran without error');
+unlike($err, qr/ERROR/, 'no client got an SQL error');
+my ($wkeys, $wholders, $replays, $in_flight) = split /\|/, $node->safe_psql('postgres', q{
+SELECT (SELECT count(*) FROM idem.keys WHERE key LIKE 'w-%'),
+       count(*) FILTER (WHERE claimed),
+       count(*) FILTER (WHERE NOT claimed AND state = 'DONE'),
+       count(*) FILTER (WHERE NOT claimed AND state = 'PROCESSING')
+FROM waited});
+cmp_ok($wkeys, '>=', 100, "$wkeys keys claimed");
+is($wholders, $wkeys, 'each key had exactly one holder');
+cmp_ok($replays, '>=', 1000, "$replays waiters got the replay");
+is($in_flight, '0', 'no waiter answered in flight while the holder was completing');
+
+# --- 4. Claims belong to their role.
 $node->safe_psql('postgres', q{
 CREATE ROLE race_a LOGIN;
 CREATE ROLE race_b LOGIN;
