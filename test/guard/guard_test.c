@@ -180,7 +180,7 @@ opts_init(IdemGuardOptions *opts)
 {
 	idem_guard_options_init(opts);
 	opts->scope = SCOPE;
-	opts->lease_ms = 5000;
+	opts->lease_ms = 20000;
 	opts->retention_ms = 600000;
 }
 
@@ -335,6 +335,7 @@ test_in_flight(PGconn *conn)
 
 	/* The holder rolls back: the key is free and the same connection works. */
 	PQclear(query(other, "ROLLBACK", 0, NULL));
+	opts.timeout_ms = 0;
 	run(conn, &opts, "open", "fp", &ctx, &res);
 	printf("after_timeout: outcome=%s failed=%s calls=%d state=%s\n",
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
@@ -445,7 +446,7 @@ test_faults(PGconn *conn)
 	printf("fault_complete_retry: outcome=%s calls=%d\n",
 		   idem_outcome_name(res.outcome), ctx.calls);
 	idem_result_clear(&res);
-	opts.clock_offset_s = 10;
+	opts.clock_offset_s = 30;
 	run(conn, &opts, "fault-complete", "fp", &ctx, &res);
 	printf("fault_complete_takeover: outcome=%s failed=%s calls=%d state=%s\n",
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
@@ -483,7 +484,7 @@ test_faults(PGconn *conn)
 	printf("handler_error_keep_retry: outcome=%s calls=%d\n",
 		   idem_outcome_name(res.outcome), ctx.calls);
 	idem_result_clear(&res);
-	opts.clock_offset_s = 10;
+	opts.clock_offset_s = 30;
 	run(conn, &opts, "handler-keep", "fp", &ctx, &res);
 	printf("handler_error_keep_takeover: outcome=%s failed=%s calls=%d state=%s\n",
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
@@ -633,7 +634,7 @@ test_heartbeat(PGconn *conn)
 	Ctx			ctx;
 
 	opts_init(&opts);
-	opts.lease_ms = 1500;
+	opts.lease_ms = 6000;
 	opts.heartbeat_conninfo = conninfo;
 	ctx_init(&ctx);
 	ctx.during = during_outlive_lease;
@@ -692,12 +693,12 @@ test_scope_and_window(PGconn *conn)
 
 	opts_init(&opts);
 	ctx_init(&ctx);
-	opts.retention_ms = 10000;
+	opts.retention_ms = 30000;
 	a = run(conn, &opts, "window", "fp", &ctx, &res);
 	idem_result_clear(&res);
 	b = run(conn, &opts, "window", "fp", &ctx, &res);
 	idem_result_clear(&res);
-	opts.clock_offset_s = 20;
+	opts.clock_offset_s = 60;
 	again = run(conn, &opts, "window", "fp", &ctx, &res);
 	idem_result_clear(&res);
 	printf("window: first=%s inside=%s after=%s calls=%d\n",
@@ -792,12 +793,12 @@ conninfo_with(const char *extra)
 
 /*
  * The heartbeat follows the lease the claim returned: with lease_ms 0 and
- * a server default lease of 2 s, it keeps the claim past its first end.
+ * a server default lease of 6 s, it keeps the claim past its first end.
  */
 static void
 test_heartbeat_default_lease(void)
 {
-	char	   *short_lease = conninfo_with("options='-c idem.default_lease=2'");
+	char	   *short_lease = conninfo_with("options='-c idem.default_lease=6'");
 	PGconn	   *conn = connect_or_die(short_lease);
 	IdemGuardOptions opts;
 	IdemResult	res;
@@ -1033,7 +1034,7 @@ test_timeout_after_commit(void)
 	else
 	{
 		opts_init(&opts);
-		opts.timeout_ms = 500;
+		opts.timeout_ms = 2000;
 		ctx_init(&ctx);
 		run(conn, &opts, "sync-timeout", "fp", &ctx, &res);
 		printf("timeout_after_commit: outcome=%s failed=%s calls=%d state=%s\n",

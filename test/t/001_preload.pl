@@ -10,7 +10,7 @@ use Test::More;
 my $node = idem_node('plain', preload => 0);
 
 is($node->safe_psql('postgres',
-		"SELECT claimed, state FROM idem_begin('k', 'f')"),
+		"SELECT claimed, state FROM idem_begin('k', 'f', lease => '1 hour')"),
 	't|PROCESSING', 'claim works without preload');
 my ($ret, $out, $err) = $node->psql('postgres', 'SELECT * FROM idem_stats');
 isnt($ret, 0, 'idem_stats fails without preload');

@@ -8,9 +8,12 @@ use PostgreSQL::Test::Utils;
 use IdemTest;
 use Test::More;
 
+# Batches of 1000 rows: the purge of 200000 keys takes 200 transactions,
+# long enough for many rounds of claims to run while it is under way.
 my $node = idem_node('concurrency', conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
+idem.purge_batch_size = 1000
 });
 
 sub set_purge
@@ -35,7 +38,7 @@ SELECT count(*) FROM idem_begin('dropped', 'old', lease => '1s', retention => '1
 
 my $holder = $node->background_psql('postgres');
 my $token = $holder->query_safe(
-	"BEGIN; SELECT token FROM idem_begin('held', 'new') WHERE claimed");
+	"BEGIN; SELECT token FROM idem_begin('held', 'new', lease => '1 hour') WHERE claimed");
 like($token, qr/^\d+$/, 're-claim of the expired key is held uncommitted');
 my $roller = $node->background_psql('postgres');
 $roller->query_safe(
@@ -101,6 +104,7 @@ SELECT (SELECT claimed FROM idem_begin('fresh-$rounds', 'f'))
 }
 $client->quit;
 
+note "$rounds rounds, $during of them while the purge was under way";
 is($bad, 0, "all $rounds rounds of claims succeeded");
 cmp_ok($during, '>', 0, 'some claims ran while the purge was under way');
 is( $node->safe_psql('postgres',

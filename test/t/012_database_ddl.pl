@@ -8,7 +8,6 @@ use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use IdemTest;
 use Test::More;
-use IPC::Run;
 
 # Small batches, so that purging a database takes several transactions.
 my $node = idem_node('ddl', conf => qq{
@@ -46,11 +45,15 @@ FROM generate_series(1, $n) g};
 # at its first batch; the command then waits for the worker's lock on the
 # database; the session commits and leaves, the worker deletes one batch,
 # sees the command waiting and leaves instead of starting the next batch.
-# Returns true if the command succeeded.
+# The worker waits at most 5 s for the lock (idem.purge_naptime, raised to
+# its 5 s floor), so the command's session is connected before the worker
+# starts waiting and only the command is sent in that window.  Returns true
+# if the command succeeded.
 sub ddl_during_purge
 {
 	my ($db, $ddl) = @_;
 
+	my $runner = $node->background_psql('postgres', on_error_stop => 0);
 	my $blocker = $node->background_psql($db);
 	$blocker->query_safe(
 		'BEGIN; LOCK TABLE idem.keys IN SHARE MODE; ' . expired_rows(200));
@@ -60,13 +63,10 @@ WHERE backend_type = 'idem purge' AND datname = '$db' AND wait_event_type = 'Loc
 		'1')
 	  or die "no purge worker in $db";
 
-	my ($out, $err) = ('', '');
-	my $runner = IPC::Run::start(
-		[ 'psql', '-XAtq', '-d', $node->connstr('postgres'), '-c', $ddl ],
-		'>', \$out, '2>', \$err);
+	$runner->query_until(qr/sent/, "\\echo sent\n$ddl;\n");
 	$node->poll_query_until('postgres', qq{
 SELECT count(*) FROM pg_stat_activity
-WHERE query = '$ddl' AND wait_event_type = 'Lock'}, '1')
+WHERE query = '$ddl;' AND wait_event_type = 'Lock'}, '1')
 	  or die "$ddl does not wait for the purge worker";
 
 	# Not query_safe: with FORCE the command terminates this session as
@@ -75,9 +75,12 @@ WHERE query = '$ddl' AND wait_event_type = 'Lock'}, '1')
 	# before the worker leaves, nor the worker before this lock is gone).
 	$blocker->query('COMMIT');
 	$blocker->quit;
-	my $ok = $runner->finish;
-	diag($err) unless $ok;
-	return $ok;
+	# Returns when the command has ended; its error, if any, is on stderr.
+	$runner->query('SELECT 1');
+	my $err = $runner->{stderr};
+	$runner->quit;
+	diag($err) if $err ne '';
+	return $err eq '';
 }
 
 my $offset = -s $node->logfile;

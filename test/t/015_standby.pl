@@ -30,7 +30,7 @@ SET idem.clock_offset = '-1h';
 SELECT count(*) FROM generate_series(1, 40) g,
 	idem_begin('old-' || g, 'f', lease => '1s', retention => '1s');
 RESET idem.clock_offset;
-SELECT count(*) FROM idem_begin('live', 'f');
+SELECT count(*) FROM idem_begin('live', 'f', lease => '1 hour');
 BEGIN;
 SELECT count(*) FROM idem_begin('done', 'f');
 SELECT idem_complete('done', 'f', 201, convert_to('stored', 'UTF8'));

@@ -5,7 +5,7 @@
 #    beside the highest token recorded before it, in the same transaction
 #    as the claim.  No token may be at or below an earlier one.
 # 2. wait => false never waits.  Eight clients claim the same new key
-#    (a new one every quarter second) with wait => false under a 20 ms
+#    (a new one every quarter second) with wait => false under a 150 ms
 #    lock_timeout; the holder keeps its transaction open for 300 ms.  A
 #    non-holder that waited for it would fail with 55P03: none may.
 # 3. A waiter waits until the holder's transaction ends.  Eight clients
@@ -100,7 +100,7 @@ is( $node->safe_psql('postgres',
 # --- 2. wait => false never waits.
 ($rc, $out, $err) = pgbench('nowait', q{
 BEGIN;
-SET LOCAL lock_timeout = '20ms';
+SET LOCAL lock_timeout = '150ms';
 SELECT claimed FROM idem_begin('nw-' || floor(extract(epoch FROM clock_timestamp()) * 4)::bigint,
                                'f', wait => false) \gset
 \if :claimed

@@ -84,7 +84,7 @@ my @expected = (
 	# Complete fails for real: connection lost, token superseded.
 	[ complete_lost => 'outcome=EXECUTED failed=complete status=201 calls=1 state=PROCESSING' ],
 	[ superseded => 'outcome=EXECUTED failed=complete sqlstate=ID002 taken_over=yes token_changed=yes state=PROCESSING' ],
-	# The heartbeat keeps a 1.5 s lease alive past its first end (another
+	# The heartbeat keeps a 6 s lease alive past its first end (another
 	# caller finds the key in flight), and stops when the token is
 	# superseded, which makes complete fail.
 	[ heartbeat => 'outcome=EXECUTED failed=none lease_outlived=yes competitor=IN_FLIGHT extends=some superseded=no calls=1 state=DONE' ],
@@ -96,7 +96,7 @@ my @expected = (
 	# Eight threads with a connection each, one key: one execution.
 	[ threads => 'executed=1 others=7 errors=0 calls=1 state=DONE' ],
 	# The heartbeat follows the lease the claim returned: with the server's
-	# default lease of 2 s (lease_ms 0) the claim outlives its first end.
+	# default lease of 6 s (lease_ms 0) the claim outlives its first end.
 	[ heartbeat_default_lease => 'outcome=EXECUTED failed=none lease_outlived=yes competitor=IN_FLIGHT extends=some calls=1 state=DONE' ],
 	# The heartbeat's connection is lost and its first host never answers:
 	# re-connecting does not keep the guard from stopping the heartbeat.

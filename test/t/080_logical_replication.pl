@@ -21,6 +21,7 @@ use Test::More;
 my $pub = idem_node('publisher', init => { allows_streaming => 'logical' }, conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
+log_min_messages = debug1
 }, extension => []);
 
 my $sub = idem_node('subscriber', conf => qq{
@@ -157,8 +158,14 @@ $pub->safe_psql('postgres',
 ok( $pub->poll_query_until('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'", '0'),
 	'the purge worker deletes the rest on the publisher');
+# Purge off again, and no purge worker left that started before.
+my $offset = -s $pub->logfile;
 $pub->safe_psql('postgres',
 	'ALTER SYSTEM SET idem.purge_enabled = off; SELECT pg_reload_conf()');
+$pub->wait_for_log(qr/idem launcher: configuration reloaded: purge_enabled off/, $offset);
+$pub->poll_query_until('postgres',
+	"SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'idem purge'", '0')
+  or die 'a purge worker is still running on the publisher';
 $pub->wait_for_catchup('idem_sub');
 is($sub->safe_psql('postgres', "SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'"),
 	'0', 'and those deletes arrive too');

@@ -289,7 +289,7 @@ cmp_ok($coord->safe_psql('postgres', q{SELECT token FROM idem_begin('mv-held', '
 
 # Purge on the workers: expired keys disappear from the shards by the
 # workers' own purge, the coordinator's table stays empty.
-$coord->safe_psql('postgres', qq{SELECT count(*) FROM idem_begin('exp-$_', 'f', lease => '1 second', retention => '1 second')})
+$coord->safe_psql('postgres', qq{SELECT count(*) FROM idem_begin('exp-$_', 'f', lease => '1 second', retention => '10 seconds')})
   for 1 .. 20;
 my $exp1 = rows_on($w1, 'postgres', 'idem.keys', q{key LIKE 'exp-%'});
 my $exp2 = rows_on($w2, 'postgres', 'idem.keys', q{key LIKE 'exp-%'});
