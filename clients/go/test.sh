@@ -53,9 +53,11 @@ if [ -n "$missing" ]; then
 fi
 command -v pg_config >/dev/null 2>&1 || fail "pg_config not found: install the extension first (make install)"
 
-# 2. A throwaway cluster with the extension.
+# 2. A throwaway cluster with the extension.  The purge worker is off: it
+# runs on the real clock and would delete, between two steps of a test, a
+# key that a test stored at a clock it moved (idem.clock_offset).
 work=$(mktemp -d /tmp/idem-go-work.XXXXXX) || fail "mktemp failed"
-sh "$root/test/cluster.sh" start "$dir" "$port" || {
+sh "$root/test/cluster.sh" start "$dir" "$port" 'idem.purge_enabled = off' || {
 	cat "$dir/initdb.log" "$dir/server.log" 2>/dev/null | tail -n 30 >&2
 	fail "could not start the test cluster"
 }

@@ -29,7 +29,7 @@ func okHandler(calls *atomic.Int32) func(context.Context) (Response, error) {
 func TestTokenInContext(t *testing.T) {
 	store := newTestStore(t)
 	now := base
-	g := &Guard{Store: store, Lease: time.Second, Retention: time.Hour, Now: func() time.Time { return now }}
+	g := &Guard{Store: store, Lease: testLease, Retention: time.Hour, Now: func() time.Time { return now }}
 	var seen []int64
 	h := func(ctx context.Context) (Response, error) {
 		token, ok := TokenFromContext(ctx)
@@ -55,7 +55,7 @@ func TestTokenInContext(t *testing.T) {
 	if _, out, err := g.Do(bg, "tok-1", "fp", h); out != Executed || err == nil {
 		t.Fatalf("first: out=%s err=%v", out, err)
 	}
-	now = now.Add(2 * time.Second)
+	now = now.Add(pastLease)
 	if _, out, err := g.Do(bg, "tok-1", "fp", h); out != Executed || err != nil {
 		t.Fatalf("takeover: out=%s err=%v", out, err)
 	}
@@ -70,7 +70,7 @@ func TestTokenInContext(t *testing.T) {
 	}
 	// A claim for another key is not sent: Complete without a token is
 	// refused outside the claiming transaction.
-	rec, claimed, err := store.Begin(bg, "tok-2", "fp", now, time.Second, time.Hour)
+	rec, claimed, err := store.Begin(bg, "tok-2", "fp", now, testLease, time.Hour)
 	if err != nil || !claimed || rec.Token <= seen[1] {
 		t.Fatalf("begin tok-2: rec=%+v claimed=%v err=%v", rec, claimed, err)
 	}
@@ -90,7 +90,7 @@ func TestReleaseOnHandlerError(t *testing.T) {
 		t.Run(name, func(t *testing.T) {
 			store := newTestStore(t)
 			now := base
-			g := &Guard{Store: store, Lease: time.Second, Retention: time.Hour, Now: func() time.Time { return now },
+			g := &Guard{Store: store, Lease: testLease, Retention: time.Hour, Now: func() time.Time { return now },
 				ReleaseOnError: release}
 			var calls atomic.Int32
 			failing := func(ctx context.Context) (Response, error) {
@@ -116,7 +116,7 @@ func TestReleaseOnHandlerError(t *testing.T) {
 				if _, out, err := g.Do(bg, "rel-1", "fp", okHandler(&calls)); out != InFlight || !errors.Is(err, ErrInFlight) || calls.Load() != 1 {
 					t.Fatalf("retry inside lease: out=%s err=%v calls=%d", out, err, calls.Load())
 				}
-				now = now.Add(2 * time.Second)
+				now = now.Add(pastLease)
 				if _, out, err := g.Do(bg, "rel-1", "fp", okHandler(&calls)); out != Executed || err != nil || calls.Load() != 2 {
 					t.Fatalf("retry after lease: out=%s err=%v calls=%d", out, err, calls.Load())
 				}
@@ -134,28 +134,55 @@ func TestHeartbeat(t *testing.T) {
 		store.Scope = newScope(t)
 		var count opCounter
 		store.Fault = count.fault
-		g := &Guard{Store: store, Lease: 900 * time.Millisecond, Retention: time.Hour, Heartbeat: true}
-		other := &Guard{Store: store, Lease: 900 * time.Millisecond, Retention: time.Hour}
+		// The heartbeat extends a 3 s lease every second, so the claim
+		// lapses only if the heartbeat is two seconds late.
+		const lease = 3 * time.Second
+		const period = lease / 3
+		g := &Guard{Store: store, Lease: lease, Retention: time.Hour, Heartbeat: true}
+		other := &Guard{Store: store, Lease: lease, Retention: time.Hour}
 		var calls atomic.Int32
+		start := time.Now()
 		_, out, err := g.Do(bg, "hb-1", "fp", func(ctx context.Context) (Response, error) {
-			time.Sleep(2 * time.Second) // more than twice the lease
+			// Wait for an extend to move the lease, then until the
+			// server's clock is past the lease as that extend left it:
+			// the key is still in flight then only if a later extend moved
+			// the lease again.
+			leaseNow := func() time.Time {
+				st := lookup(t, store.Scope, "hb-1")
+				if st.state != "PROCESSING" || st.lease == nil {
+					t.Fatalf("during the handler: %+v", st)
+				}
+				return *st.lease
+			}
+			first := leaseNow()
+			var renewed time.Time
+			if !waitFor(30*time.Second, func() bool { renewed = leaseNow(); return renewed.After(first) }) {
+				t.Errorf("lease not extended within 30 s (extends=%d)", count.extends())
+				return Response{}, errors.New("no heartbeat")
+			}
+			if !waitFor(30*time.Second, func() bool { return serverPast(t, renewed) }) {
+				t.Errorf("the server's clock did not pass %v", renewed)
+			}
 			_, o, e := other.Do(bg, "hb-1", "fp", okHandler(&calls))
 			if o != InFlight || !errors.Is(e, ErrInFlight) {
-				t.Errorf("second caller after the first lease: out=%s err=%v", o, e)
+				t.Errorf("second caller after the renewed lease: out=%s err=%v", o, e)
 			}
 			if ctx.Err() != nil {
 				t.Errorf("handler context cancelled: %v", ctx.Err())
 			}
 			return Response{Status: 200, Body: []byte("done")}, nil
 		})
+		elapsed := time.Since(start)
 		if out != Executed || err != nil || calls.Load() != 0 {
 			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
-		if n := count.extends(); n < 3 || n > 8 {
-			t.Fatalf("extends=%d, want about 6 (every 300 ms for 2 s)", n)
+		// At least two extends kept the key in flight; the heartbeat's
+		// ticker fires at most once a period.
+		if n := count.extends(); n < 2 || n > int64(elapsed/period) {
+			t.Fatalf("extends=%d in %v, want 2 to %d (one every %v)", n, elapsed, int64(elapsed/period), period)
 		}
 		after := count.extends()
-		time.Sleep(500 * time.Millisecond)
+		time.Sleep(period + period/2)
 		if count.extends() != after {
 			t.Fatalf("heartbeat still running after Do returned")
 		}
@@ -177,8 +204,8 @@ func TestHeartbeat(t *testing.T) {
 		var frozen, later int64
 		_, out, err := g.Do(bg, "hb-2", "fp", func(ctx context.Context) (Response, error) {
 			first, _ = TokenFromContext(ctx)
-			if !waitFor(2*time.Second, func() bool { return count.extends() >= 1 }) {
-				t.Errorf("no heartbeat within 2 s")
+			if !waitFor(30*time.Second, func() bool { return count.extends() >= 1 }) {
+				t.Errorf("no heartbeat within 30 s")
 			}
 			rec, claimed, err := ahead.Begin(bg, "hb-2", "fp", time.Now().Add(10*time.Minute), time.Minute, time.Hour)
 			if err != nil || !claimed {
@@ -187,7 +214,7 @@ func TestHeartbeat(t *testing.T) {
 			second = rec.Token
 			select {
 			case <-ctx.Done():
-			case <-time.After(3 * time.Second):
+			case <-time.After(30 * time.Second):
 				t.Errorf("handler context not cancelled after the takeover")
 			}
 			frozen = count.extends()
@@ -362,7 +389,7 @@ func TestTypedErrors(t *testing.T) {
 	now := base
 	claim := func(t *testing.T, key string) int64 {
 		t.Helper()
-		rec, claimed, err := store.Begin(bg, key, "fp", now, time.Second, time.Hour)
+		rec, claimed, err := store.Begin(bg, key, "fp", now, testLease, time.Hour)
 		if err != nil || !claimed || rec.Token == 0 || rec.State != Processing {
 			t.Fatalf("claim %s: rec=%+v claimed=%v err=%v", key, rec, claimed, err)
 		}
@@ -384,7 +411,7 @@ func TestTypedErrors(t *testing.T) {
 	})
 	t.Run("ID002_superseded", func(t *testing.T) {
 		stale := claim(t, "e2")
-		now = now.Add(2 * time.Second)
+		now = now.Add(pastLease)
 		fresh := claim(t, "e2")
 		if fresh <= stale {
 			t.Fatalf("takeover token %d not greater than %d", fresh, stale)
@@ -425,9 +452,14 @@ func TestTypedErrors(t *testing.T) {
 	})
 	t.Run("release_and_extend", func(t *testing.T) {
 		tok := claim(t, "e5")
+		// The server runs the call within half a second of now, later by
+		// as much as the call takes between setting the offset and
+		// extending.
+		start := time.Now()
 		until, err := store.Extend(bg, "e5", tok, now, time.Minute)
-		if err != nil || until.Before(now.Add(59*time.Second)) || until.After(now.Add(61*time.Second)) {
-			t.Fatalf("extend: until=%v (now %v) err=%v", until, now, err)
+		took := time.Since(start)
+		if err != nil || until.Before(now.Add(59*time.Second)) || until.After(now.Add(61*time.Second+took)) {
+			t.Fatalf("extend: until=%v (now %v, call took %v) err=%v", until, now, took, err)
 		}
 		ok, err := store.Release(bg, "e5", tok, now)
 		if err != nil || !ok {
@@ -501,15 +533,14 @@ func TestTimeoutCancelsServerWait(t *testing.T) {
 }
 
 func timeoutCase(t *testing.T, storeTimeout bool) {
+	// The claim waits on the server for this long before the timeout cuts
+	// it off: time enough for the test to see the backend waiting even if
+	// the machine is slow to get the claim there.
+	const timeout = 2 * time.Second
 	store := NewPostgresStore(testPool)
 	store.Scope = newScope(t)
-	ctx := bg
 	if storeTimeout {
-		store.Timeout = time.Second
-	} else {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithTimeout(bg, time.Second)
-		defer cancel()
+		store.Timeout = timeout
 	}
 	// An open transaction holds an uncommitted claim of the key.
 	holder, err := testPool.Begin(bg)
@@ -531,18 +562,41 @@ func timeoutCase(t *testing.T, storeTimeout bool) {
 	}
 	done := make(chan result, 1)
 	go func() {
+		// The caller's deadline starts with the call, after the holder's
+		// claim, so that it bounds the call alone.
+		ctx := bg
 		start := time.Now()
+		if !storeTimeout {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(bg, timeout)
+			defer cancel()
+		}
 		_, out, err := g.Do(ctx, "wait-1", "fp", okHandler(&calls))
 		done <- result{out, err, time.Since(start)}
 	}()
-	if !waitFor(900*time.Millisecond, func() bool { return waitingBackends(t) == 1 }) {
+	// Watch for the backend waiting until the call returns.
+	waited := false
+	waitFor(timeout+30*time.Second, func() bool {
+		if waitingBackends(t) == 1 {
+			waited = true
+			return true
+		}
+		return len(done) > 0
+	})
+	if !waited {
 		t.Fatalf("the claim did not wait on the server")
 	}
-	r := <-done
-	if r.out != Unavailable || r.err != ErrUnavailable || calls.Load() != 0 || r.d < 900*time.Millisecond || r.d > 3*time.Second {
-		t.Fatalf("out=%s err=%v calls=%d after %v", r.out, r.err, calls.Load(), r.d)
+	var r result
+	select {
+	case r = <-done:
+	case <-time.After(timeout + 30*time.Second):
+		t.Fatalf("the claim still waits %v after its timeout", 30*time.Second)
 	}
-	if !waitFor(2*time.Second, func() bool { return waitingBackends(t) == 0 }) {
+	// Cut off by the timeout, not sooner, and not by anything much later.
+	if r.out != Unavailable || r.err != ErrUnavailable || calls.Load() != 0 || r.d < timeout*9/10 || r.d > timeout+5*time.Second {
+		t.Fatalf("out=%s err=%v calls=%d after %v (timeout %v)", r.out, r.err, calls.Load(), r.d, timeout)
+	}
+	if !waitFor(30*time.Second, func() bool { return waitingBackends(t) == 0 }) {
 		t.Fatalf("a backend still waits after the timeout")
 	}
 	if err := holder.Rollback(bg); err != nil {
@@ -551,6 +605,10 @@ func timeoutCase(t *testing.T, storeTimeout bool) {
 	time.Sleep(200 * time.Millisecond)
 	if st := lookup(t, store.Scope, "wait-1"); st.found {
 		t.Fatalf("orphan claim after the timeout: %+v", st)
+	}
+	// This call must succeed: a bound a slow machine cannot reach.
+	if storeTimeout {
+		store.Timeout = time.Minute
 	}
 	if _, out, err := g.Do(bg, "wait-1", "fp", okHandler(&calls)); out != Executed || err != nil || calls.Load() != 1 {
 		t.Fatalf("after the holder rolled back: out=%s err=%v calls=%d", out, err, calls.Load())

@@ -1,8 +1,9 @@
 package idempotency
 
 // The two tests of the Go package this guard comes from, against
-// PostgreSQL: the only change is the store (newTestStore instead of
-// NewMemoryStore).
+// PostgreSQL: the changes are the store (newTestStore instead of
+// NewMemoryStore) and a longer lease (testLease instead of a second, and
+// pastLease to step past it; see helpers_test.go).
 
 import (
 	"context"
@@ -13,7 +14,12 @@ import (
 	"time"
 )
 
-var base = time.Date(2026, 10, 19, 4, 0, 0, 0, time.UTC)
+// base is the guard's clock at the start of the tests that set it: a whole
+// hour a day ahead of the real clock.  A key stored at base with an hour's
+// retention is then not expired by the server's own clock while the test
+// runs (idem_lookup and any purge pass use that clock), and a call that
+// ignored the guard's clock would be a day off, not a few seconds.
+var base = time.Now().UTC().Truncate(time.Hour).Add(24 * time.Hour)
 
 // inventory is the downstream system: it absorbs a repeated reservation of
 // the same key, as a provider's own idempotency key would.
@@ -44,7 +50,7 @@ func (inv *inventory) reserve(key string, qty, cents int) error {
 }
 
 func guardAt(store Store, clock *time.Time) *Guard {
-	return &Guard{Store: store, Lease: time.Second, Retention: time.Hour,
+	return &Guard{Store: store, Lease: testLease, Retention: time.Hour,
 		Now: func() time.Time { return *clock }}
 }
 
@@ -119,7 +125,7 @@ func TestLeaseTakeoverFaultInjectionAndWindow(t *testing.T) {
 	if _, out, err := g.Do(context.Background(), "order-2", "sku=A&qty=1", h); !errors.Is(err, ErrInFlight) || out != InFlight {
 		t.Fatalf("inside lease: out=%s err=%v", out, err)
 	}
-	now = now.Add(2 * time.Second)
+	now = now.Add(pastLease)
 	if _, out, err := g.Do(context.Background(), "order-2", "sku=A&qty=1", h); err != nil || out != Executed {
 		t.Fatalf("after lease: out=%s err=%v", out, err)
 	}

@@ -50,6 +50,19 @@ func newScope(t *testing.T) string {
 	return fmt.Sprintf("%s-%d-%s", scopeBase, atomic.AddInt64(&scopeSeq, 1), t.Name())
 }
 
+// testLease is the lease of the tests that set the guard's clock (Guard.Now
+// with ClientClock).  The store turns the guard's now into a whole-second
+// idem.clock_offset against the server's clock, so the server time of a
+// call lies within half a second of now plus the time the call took
+// between setting the offset and claiming: two calls at the same now may
+// be a second and a stall apart.  A lease of ten seconds keeps a key in
+// flight through any stall a loaded machine makes.
+const testLease = 10 * time.Second
+
+// pastLease moves the guard's clock past a testLease claimed at the old
+// now, with the same margin for the rounding and stalls.
+const pastLease = 2 * testLease
+
 // newTestStore is the PostgreSQL store the ported tests use in place of
 // NewMemoryStore(): it follows the guard's clock (Guard.Now) as the
 // memory store does.
@@ -85,6 +98,7 @@ type stored struct {
 	state  string
 	token  int64
 	status *int32
+	lease  *time.Time // lease_until; nil once completed
 	size   *int32
 }
 
@@ -92,8 +106,8 @@ func lookup(t *testing.T, scope, key string) stored {
 	t.Helper()
 	var st stored
 	err := testPool.QueryRow(context.Background(),
-		"SELECT state, token, status, body_size FROM public.idem_lookup($1::text, $2::text)",
-		key, scope).Scan(&st.state, &st.token, &st.status, &st.size)
+		"SELECT state, token, status, lease_until, body_size FROM public.idem_lookup($1::text, $2::text)",
+		key, scope).Scan(&st.state, &st.token, &st.status, &st.lease, &st.size)
 	if err == pgx.ErrNoRows {
 		return stored{}
 	}
@@ -136,6 +150,18 @@ func waitFor(d time.Duration, cond func() bool) bool {
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+}
+
+// serverPast tells whether the server's clock (idem's, without an offset)
+// is past ts.
+func serverPast(t *testing.T, ts time.Time) bool {
+	t.Helper()
+	var past bool
+	if err := testPool.QueryRow(context.Background(),
+		"SELECT pg_catalog.clock_timestamp() > $1::timestamptz", ts).Scan(&past); err != nil {
+		t.Fatal(err)
+	}
+	return past
 }
 
 func dsn() string { return os.Getenv("IDEM_TEST_DSN") }
