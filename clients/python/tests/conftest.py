@@ -41,7 +41,7 @@ def lookup(conn, key, scope=""):
                      "body_size"), row))
 
 
-def wait_for(predicate, timeout=10.0, step=0.02, what="condition"):
+def wait_for(predicate, timeout=30.0, step=0.02, what="condition"):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -134,10 +134,10 @@ class UvicornServer:
             if self.proc.poll() is not None:
                 raise AssertionError("uvicorn exited with %s" % self.proc.returncode)
             try:
-                return httpx.get(self.url + "/health", timeout=1).status_code == 200
-            except httpx.HTTPError:
+                return httpx.get(self.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:          # not listening yet, or slow to answer
                 return False
-        wait_for(ready, timeout=20, step=0.1, what="uvicorn to answer")
+        wait_for(ready, timeout=60, step=0.1, what="uvicorn to answer")
         return self
 
     def kill(self) -> None:
@@ -171,8 +171,13 @@ class WerkzeugServer:
 
     def start(self) -> "WerkzeugServer":
         self.thread.start()
-        wait_for(lambda: httpx.get(self.url + "/health", timeout=1).status_code == 200,
-                 what="werkzeug to answer")
+
+        def ready():
+            try:
+                return httpx.get(self.url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:          # a timeout included
+                return False
+        wait_for(ready, timeout=60, step=0.1, what="werkzeug to answer")
         return self
 
     def stop(self) -> None:

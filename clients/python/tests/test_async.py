@@ -3,6 +3,7 @@ asyncio.wait_for trap of issue 15)."""
 
 import asyncio
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -11,7 +12,7 @@ from psycopg_pool import AsyncConnectionPool
 from idem_pg import AsyncGuard, Outcome, Response, Timeout, Unavailable
 
 from conftest import lookup, new_key, wait_for
-from test_guard import FP, hold_uncommitted_claim
+from test_guard import FP, HB_LEASE, hold_uncommitted_claim
 
 
 class Calls:
@@ -63,17 +64,31 @@ def test_pool_source_and_heartbeat(dsn):
     key = new_key()
 
     async def main():
-        async with AsyncConnectionPool(dsn, min_size=2, max_size=4) as pool:
-            g = AsyncGuard(pool, lease=1, heartbeat=True)
+        async with AsyncConnectionPool(dsn, min_size=2, max_size=4) as pool, \
+                await psycopg.AsyncConnection.connect(dsn, autocommit=True) as watch:
+            g = AsyncGuard(pool, lease=HB_LEASE, heartbeat=True)
             seen = {}
 
+            async def server_past(when):
+                cur = await watch.execute("SELECT clock_timestamp() > %s", [when])
+                return (await cur.fetchone())[0]
+
             async def slow(claim):
-                await asyncio.sleep(1.5)
-                seen["other"] = await AsyncGuard(pool, lease=1).do(key, FP, Calls())
-                await asyncio.sleep(0.3)
+                # runs until the server's clock is half a lease past the
+                # claim's first lease_until, without blocking the event
+                # loop the heartbeat runs on
+                cur = await watch.execute(
+                    "SELECT lease_until FROM public.idem_lookup(%s::text, '')", [key])
+                end = (await cur.fetchone())[0] + timedelta(seconds=HB_LEASE / 2)
+                deadline = time.monotonic() + 60
+                while not await server_past(end):
+                    assert time.monotonic() < deadline, "the first lease did not end"
+                    await asyncio.sleep(0.05)
+                seen["other"] = await AsyncGuard(pool, lease=HB_LEASE).do(key, FP, Calls())
                 return Response(200, b"done")
 
             r = await g.do(key, FP, slow)
+            assert r.failed_step != "handler", r.error
             return r, seen["other"], await g.do(key, FP, Calls())
 
     r, other, replay = asyncio.run(main())
@@ -94,7 +109,7 @@ def test_wait_for_cancels_server_wait_and_leaves_no_orphan(dsn, db):
 
     try:
         asyncio.run(main())
-        wait_for(lambda: lock_waiters(db) == 0, timeout=3, what="the wait to be cancelled")
+        wait_for(lambda: lock_waiters(db) == 0, timeout=30, what="the wait to be cancelled")
     finally:
         holder.rollback()
         holder.close()
@@ -117,9 +132,10 @@ def test_naive_wait_for_leaves_orphan_claim(dsn, db):
 
     conn = asyncio.run(main())
     try:
-        assert lock_waiters(db) == 1              # still waiting on the server
+        # given up on the client, still waiting on the server
+        wait_for(lambda: lock_waiters(db) == 1, timeout=30, what="the statement to wait")
         holder.rollback()
-        row = wait_for(lambda: lookup(db, key), timeout=5, what="the orphan claim")
+        row = wait_for(lambda: lookup(db, key), timeout=30, what="the orphan claim")
         assert row["state"] == "PROCESSING"
     finally:
         holder.close()
@@ -133,7 +149,8 @@ def test_server_side_timeout(dsn, db):
     try:
         start = time.monotonic()
         r = asyncio.run(AsyncGuard(dsn, timeout=0.5).do(key, FP, h))
-        assert time.monotonic() - start < 3.0
+        # a wait not bounded by timeout=0.5 would last at least the default 5 s
+        assert time.monotonic() - start < 4.0
         assert r.outcome is Outcome.UNAVAILABLE and isinstance(r.error, Timeout)
         assert lock_waiters(db) == 0
     finally:

@@ -5,6 +5,7 @@ strings, a timeout that leaves the server waiting)."""
 import concurrent.futures
 import threading
 import time
+from datetime import timedelta
 
 import psycopg
 import pytest
@@ -134,30 +135,43 @@ def test_keep_claim_on_error_leaves_it_to_the_lease(dsn, db):
     assert g.do(key, FP, Calls()).outcome is Outcome.IN_FLIGHT
 
 
-def _overlapping(dsn, heartbeat):
-    """A 1.8 s handler under a 1 s lease; another caller tries at 1.5 s."""
+# The heartbeat extends every third of the lease: each extend has two
+# thirds of a lease (2 s) to land before the lease it renews ends.
+HB_LEASE = 3.0
+
+
+def server_past(conn, when):
+    """True once the server's clock is past ``when``."""
+    return conn.execute("SELECT clock_timestamp() > %s", [when]).fetchone()[0]
+
+
+def _overlapping(dsn, db, heartbeat):
+    """A handler that runs until the server's clock is half a lease past
+    its claim's first lease_until; another caller tries the key then."""
     key = new_key()
     other = {}
 
     def slow(claim):
-        time.sleep(1.5)
-        other["r"] = Guard(dsn, lease=1).do(key, FP, Calls())
-        time.sleep(0.3)
+        end = lookup(db, key)["lease_until"] + timedelta(seconds=HB_LEASE / 2)
+        wait_for(lambda: server_past(db, end), timeout=60, step=0.05,
+                 what="the first lease to end")
+        other["r"] = Guard(dsn, lease=HB_LEASE).do(key, FP, Calls())
         return Response(200, b"done")
 
-    r = Guard(dsn, lease=1, heartbeat=heartbeat).do(key, FP, slow)
+    r = Guard(dsn, lease=HB_LEASE, heartbeat=heartbeat).do(key, FP, slow)
+    assert r.failed_step != "handler", r.error
     return r, other["r"]
 
 
-def test_heartbeat_extends_lease(dsn):
-    r, other = _overlapping(dsn, heartbeat=True)
+def test_heartbeat_extends_lease(dsn, db):
+    r, other = _overlapping(dsn, db, heartbeat=True)
     assert other.outcome is Outcome.IN_FLIGHT
     assert r.outcome is Outcome.EXECUTED and r.error is None and r.extends >= 2
     assert r.superseded is False
 
 
-def test_without_heartbeat_lease_is_taken_over(dsn):
-    r, other = _overlapping(dsn, heartbeat=False)
+def test_without_heartbeat_lease_is_taken_over(dsn, db):
+    r, other = _overlapping(dsn, db, heartbeat=False)
     assert other.outcome is Outcome.EXECUTED and other.token > r.token
     assert r.failed_step == "complete" and isinstance(r.error, TokenSuperseded)
 
@@ -169,7 +183,7 @@ def test_heartbeat_notices_superseded_token(dsn):
     def handler(claim):
         taker = Guard(dsn, clock_offset=5).do(key, FP, Calls())   # after the lease
         seen["taker"] = taker
-        wait_for(lambda: claim.lost, timeout=5, what="the heartbeat to notice")
+        wait_for(lambda: claim.lost, timeout=30, what="the heartbeat to notice")
         return Response(200, b"late")
 
     r = Guard(dsn, lease=0.9, heartbeat=True).do(key, FP, handler)
@@ -244,14 +258,15 @@ def test_claim_commits_on_its_own_without_autocommit(dsn, db):
 
     def handler(claim):
         start = time.monotonic()
-        seen["retry"] = Guard(dsn, timeout=3).do(key, FP, Calls())
+        # an uncommitted claim would hold the retry for its whole timeout
+        seen["retry"] = Guard(dsn, timeout=10).do(key, FP, Calls())
         seen["elapsed"] = time.monotonic() - start
         seen["stored"] = lookup(db, key)
         return Response(200, b"ok")
 
     r = Guard(conn).do(key, FP, handler)
     assert r.outcome is Outcome.EXECUTED and r.error is None
-    assert seen["retry"].outcome is Outcome.IN_FLIGHT and seen["elapsed"] < 1.5
+    assert seen["retry"].outcome is Outcome.IN_FLIGHT and seen["elapsed"] < 5.0
     assert seen["stored"]["state"] == "PROCESSING"
     assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert lookup(db, key)["state"] == "DONE"
@@ -279,7 +294,8 @@ def test_timeout_cancels_server_wait_and_leaves_no_orphan(dsn, db):
         elapsed = time.monotonic() - start
         assert r.outcome is Outcome.UNAVAILABLE and isinstance(r.error, Timeout)
         assert r.error.sqlstate == "57014"
-        assert 0.4 < elapsed < 3.0 and h.claims == []
+        # a wait not bounded by timeout=0.5 would last at least the default 5 s
+        assert 0.4 < elapsed < 4.0 and h.claims == []
         waiting = db.execute("SELECT count(*) FROM pg_stat_activity"
                              " WHERE wait_event_type = 'Lock'").fetchone()[0]
         assert waiting == 0
@@ -303,7 +319,7 @@ def test_naive_abandoned_wait_leaves_orphan_claim(dsn, db):
     with pytest.raises(concurrent.futures.TimeoutError):
         fut.result(timeout=0.3)
     holder.rollback()
-    assert fut.result(timeout=5) == (True,)       # claimed after we gave up
+    assert fut.result(timeout=30) == (True,)      # claimed after we gave up
     assert lookup(db, key)["state"] == "PROCESSING"
     pool.shutdown()
     naive.close()

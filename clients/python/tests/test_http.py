@@ -2,6 +2,7 @@
 separate process) and Flask under werkzeug, with httpx as the client."""
 
 import concurrent.futures
+import random
 import threading
 
 import httpx
@@ -46,7 +47,7 @@ def test_missing_key_when_optional_passes_through(server, db):
     assert r1.json()["order"] != r2.json()["order"]
     assert calls(db, app="opt") == before + 2
     # methods not configured are not guarded, even where a key is required
-    assert httpx.get(server.url + "/req/orders").status_code == 200
+    assert httpx.get(server.url + "/req/orders", timeout=30).status_code == 200
 
 
 def test_replay_with_marker_header_and_content_type(server, db):
@@ -83,21 +84,26 @@ def test_binary_body_replayed_byte_for_byte(server, db):
 
 def test_in_flight_is_409_with_retry_after(server, db):
     key = new_key("inflight")
+    gate = random.getrandbits(62)
+    path = "/req/gated?gate=%d" % gate
     first = {}
-    t = threading.Thread(target=lambda: first.update(r=post(server, "/req/slow?ms=1500", key)))
+    # the first request's handler waits for this lock until the second is answered
+    db.execute("SELECT pg_advisory_lock(%s::bigint)", [gate])
+    t = threading.Thread(target=lambda: first.update(r=post(server, path, key)))
     t.start()
     try:
         wait_for(lambda: (lookup(db, key) or {}).get("state") == "PROCESSING",
                  what="the first request's claim")
-        r = post(server, "/req/slow?ms=1500", key)
+        r = post(server, path, key)
         assert r.status_code == 409
         assert r.headers["retry-after"] == "1"
         assert r.headers["content-type"] == "application/problem+json"
     finally:
+        db.execute("SELECT pg_advisory_unlock(%s::bigint)", [gate])
         t.join(30)
     assert first["r"].status_code == 201
     assert calls(db, key=key) == 1
-    r = post(server, "/req/slow?ms=1500", key)
+    r = post(server, path, key)
     assert r.status_code == 201 and r.headers[REPLAYED] == "true"
     assert calls(db, key=key) == 1
 

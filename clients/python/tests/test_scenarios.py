@@ -1,5 +1,7 @@
 """The reference Go guard's two tests, ported to idem_pg against the
-real server.  Time moves with idem.clock_offset, not with sleeps."""
+real server.  Time moves with idem.clock_offset, not with sleeps: the Go
+test's lease (1 s) becomes 10 s, so that no claim ends while the test runs,
+and its clock moves (2 s, then 2 h) become 20 s and 20 s + 2 h."""
 
 import asyncio
 import threading
@@ -12,6 +14,11 @@ from idem_pg import (AsyncGuard, FailN, Guard, InjectedFault, Outcome, Response,
                      Unavailable)
 
 from conftest import lookup, new_key
+
+LEASE = 10                  # never reached in real time by these tests
+RETENTION = 3600
+PAST_LEASE = 2 * LEASE      # clock moves, with idem.clock_offset
+PAST_WINDOW = PAST_LEASE + 2 * RETENTION
 
 
 class Ledger:
@@ -58,7 +65,7 @@ def test_concurrent_same_key_and_fingerprint_conflict(dsn):
     ledger, calls = Ledger(10), Counter()
     # a pool of ordinary (not autocommit) connections: claims still commit
     with ConnectionPool(dsn, min_size=8, max_size=8) as pool:
-        guard = Guard(pool, lease=1, retention=3600)
+        guard = Guard(pool, lease=LEASE, retention=RETENTION)
         barrier = threading.Barrier(8)
         results = [None] * 8
 
@@ -89,7 +96,7 @@ def test_lease_takeover_fault_injection_and_window(dsn, down_dsn, db):
     key = new_key("order-2")
     ledger, calls = Ledger(10), Counter()
     clock = [0.0]
-    guard = Guard(dsn, lease=1, retention=3600, fault=FailN("complete", 1),
+    guard = Guard(dsn, lease=LEASE, retention=RETENTION, fault=FailN("complete", 1),
                   clock_offset=lambda: clock[0])
     h = handler(ledger, key, calls, 0)
 
@@ -101,7 +108,7 @@ def test_lease_takeover_fault_injection_and_window(dsn, down_dsn, db):
     inside = guard.do(key, "sku=A&qty=1", h)
     assert inside.outcome is Outcome.IN_FLIGHT and inside.error is None
 
-    clock[0] = 2.0                                     # after the lease
+    clock[0] = PAST_LEASE                              # after the lease
     after = guard.do(key, "sku=A&qty=1", h)
     assert after.outcome is Outcome.EXECUTED and after.error is None
     assert after.token > first.token
@@ -111,7 +118,7 @@ def test_lease_takeover_fault_injection_and_window(dsn, down_dsn, db):
     replay = guard.do(key, "sku=A&qty=1", h)
     assert replay.outcome is Outcome.REPLAYED and replay.response == Response(200, b"paid")
 
-    clock[0] = 2.0 + 2 * 3600                          # after the window
+    clock[0] = PAST_WINDOW                             # after the window
     window = guard.do(key, "sku=A&qty=1", h)
     assert window.outcome is Outcome.EXECUTED and window.error is None
     assert calls.n == 3
@@ -137,7 +144,7 @@ def test_concurrent_scenario_async(dsn):
         return Response(200, b"paid")
 
     async def main():
-        guard = AsyncGuard(dsn, lease=1, retention=3600)
+        guard = AsyncGuard(dsn, lease=LEASE, retention=RETENTION)
         results = await asyncio.gather(*[guard.do(key, "sku=A&qty=1", h) for _ in range(8)])
         conflict = await guard.do(key, "sku=A&qty=2", h)
         return results, conflict

@@ -59,6 +59,13 @@ def endpoints(app: str):
         await asyncio.sleep(int(request.query_params.get("ms", "500")) / 1000)
         return await orders(request)
 
+    async def gated(request: Request):
+        # waits until the test releases the advisory lock numbered ?gate=
+        async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as c:
+            await c.execute("SELECT pg_advisory_lock_shared(%s::bigint)",
+                            [int(request.query_params["gate"])])
+        return await orders(request)
+
     async def hang(request: Request):
         # the first execution of a key hangs (the test kills the server)
         n = await record(app, request)
@@ -81,7 +88,8 @@ def endpoints(app: str):
     async def list_orders(request: Request):
         return JSONResponse({"ok": True})
 
-    return [("/orders", orders, "POST"), ("/slow", slow, "POST"), ("/hang", hang, "POST"),
+    return [("/orders", orders, "POST"), ("/slow", slow, "POST"), ("/gated", gated, "POST"),
+            ("/hang", hang, "POST"),
             ("/fail500", fail500, "POST"), ("/raise", raises, "POST"),
             ("/bytes", binary, "POST"), ("/orders", list_orders, "GET")]
 

@@ -43,6 +43,14 @@ def flask_app(name: str, dsn: str, **settings) -> Flask:
         time.sleep(int(request.args.get("ms", "500")) / 1000)
         return orders()
 
+    @fl.post("/gated")
+    def gated():
+        # waits until the test releases the advisory lock numbered ?gate=
+        with psycopg.connect(DSN, autocommit=True) as c:
+            c.execute("SELECT pg_advisory_lock_shared(%s::bigint)",
+                      [int(request.args["gate"])])
+        return orders()
+
     @fl.post("/fail500")
     def fail500():
         record(name)
