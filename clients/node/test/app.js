@@ -3,7 +3,7 @@
 // The Express app the HTTP tests talk to.  Run as a script it listens on
 // an ephemeral port and prints {"port": n}; with IDEM_APP_CRASH_ON_PAY=1
 // POST /pay prints {"started": token} and never answers (the crash test
-// kills the process there).
+// kills the process there); IDEM_APP_LEASE_MS sets its lease (default 10 s).
 
 const express = require('express');
 const { idempotency, saveRawBody } = require('..');
@@ -72,7 +72,8 @@ if (require.main === module) {
   const pg = require('pg');
   const pool = new pg.Pool({ max: 4 });
   pool.on('error', () => {});
-  const { app } = createApp(pool);
+  const lease = Number(process.env.IDEM_APP_LEASE_MS) || undefined;
+  const { app } = createApp(pool, lease ? { lease } : {});
   const server = app.listen(0, '127.0.0.1', () => {
     process.stdout.write(`${JSON.stringify({ port: server.address().port })}\n`);
   });

@@ -12,6 +12,11 @@ const readline = require('node:readline');
 const { makePool, uniqueKey, lookup, listen, recordPid } = require('./helpers');
 const { createApp } = require('./app');
 
+// The killed app's lease: long enough to cover the kill, the restart and
+// the retry on a slow machine.  The clock is then moved past it.
+const CRASHED_LEASE_MS = 600 * 1000;
+const PAST_LEASE_S = 1200;
+
 const pool = makePool({ max: 8 });
 test.after(() => pool.end());
 
@@ -42,7 +47,7 @@ function startChild(env) {
 }
 
 test('app killed mid-request: the retry is 409 inside the lease, taken over after it, then replayed', async (t) => {
-  const { child, url, next } = await startChild({ IDEM_APP_CRASH_ON_PAY: '1' });
+  const { child, url, next } = await startChild({ IDEM_APP_CRASH_ON_PAY: '1', IDEM_APP_LEASE_MS: String(CRASHED_LEASE_MS) });
   const exited = new Promise((resolve) => child.once('exit', resolve));
   t.after(() => { if (child.exitCode === null) child.kill('SIGKILL'); });
 
@@ -71,7 +76,7 @@ test('app killed mid-request: the retry is 409 inside the lease, taken over afte
   assert.equal(retry.headers.get('retry-after'), '1');
   assert.equal(state.calls.pay, undefined);
 
-  offset = 20; // past the 10 s lease
+  offset = PAST_LEASE_S; // past the killed app's lease
   const takeover = await fetch(`${srv.url}/pay`, { method: 'POST', headers, body });
   assert.equal(takeover.status, 201);
   assert.equal(takeover.headers.get('idempotent-replayed'), null);

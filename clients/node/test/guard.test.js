@@ -11,7 +11,7 @@ const {
   Guard, Outcome, Store, failTimes, IdemError, UnavailableError, TimeoutError, FingerprintMismatchError,
   TokenSupersededError, NoClaimError, AlreadyCompletedError,
 } = idem;
-const { makePool, uniqueKey, sleep, lookup, deadPool } = require('./helpers');
+const { makePool, uniqueKey, sleep, untilServerPast, lookup, deadPool } = require('./helpers');
 
 const pool = makePool({ max: 10 });
 test.after(() => pool.end());
@@ -87,8 +87,10 @@ test('in flight: a live committed claim elsewhere; with wait=false also an uncom
     await holder.query("SELECT * FROM public.idem_begin($1::text, 'fp'::text)", [key2]);
     const t0 = Date.now();
     const r = await guard.do(key2, 'fp', async () => { calls += 1; return { status: 200 }; }, { wait: false });
+    const elapsed = Date.now() - t0;
     assert.equal(r.outcome, Outcome.IN_FLIGHT);
-    assert.ok(Date.now() - t0 < 1000);
+    // Waiting would last until the guard's timeout (10 s) cancels it.
+    assert.ok(elapsed < guard.options.timeout / 2, `answered after ${elapsed} ms`);
     assert.equal(calls, 1);
   } finally {
     await holder.query('ROLLBACK');
@@ -159,13 +161,16 @@ test('keepClaimOnError leaves the claim to its lease, as the reference guard doe
 });
 
 test('heartbeat keeps a slow handler\'s claim past its lease; without it the key is taken over (ID002 on complete)', async () => {
-  const LEASE = 2000;
+  // Ten beats per lease: the lease outlives a few late beats.
+  const LEASE = 3000;
+  const BEAT = 300;
   for (const heartbeat of [true, false]) {
-    const guard = new Guard(pool, { lease: LEASE, heartbeat: heartbeat ? 400 : false });
+    const guard = new Guard(pool, { lease: LEASE, heartbeat: heartbeat ? BEAT : false });
     const key = uniqueKey(`hb-${heartbeat}`);
     let probe = null;
     const r = await guard.do(key, 'fp', async (claim) => {
-      await sleep(LEASE + 600);
+      // Past the lease the claim was made with, by the server's clock.
+      await untilServerPast(pool, claim.leaseUntil);
       probe = await guard.do(key, 'fp', async () => ({ status: 200, body: 'second' }));
       return { status: 200, body: 'first' };
     });

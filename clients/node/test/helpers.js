@@ -24,6 +24,29 @@ function makePool(config = {}) {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+/** Poll cond() every stepMs until it is truthy or ms have passed; resolves to its last value. */
+async function waitFor(cond, ms = 30000, stepMs = 50) {
+  const deadline = Date.now() + ms;
+  while (Date.now() < deadline) {
+    const v = await cond();
+    if (v) return v;
+    await sleep(stepMs);
+  }
+  return cond();
+}
+
+/**
+ * Wait until the server's clock (the one idem's leases use, without
+ * idem.clock_offset) has passed ts, a timestamp the server returned.  ts
+ * comes as a Date, cut to whole milliseconds: one more millisecond covers
+ * the cut.
+ */
+async function untilServerPast(db, ts, ms = 30000) {
+  const past = await waitFor(async () => (await db.query(
+    "SELECT pg_catalog.clock_timestamp() >= $1::timestamptz + interval '1 millisecond' AS past", [ts])).rows[0].past, ms);
+  if (!past) throw new Error(`the server clock did not pass ${ts.toISOString()} within ${ms} ms`);
+}
+
 /** The reference test's ledger: stock, one reservation and one charge per key. */
 class Ledger {
   constructor(stock) {
@@ -93,4 +116,6 @@ function deadPool() {
   return makePool({ host: '/nonexistent-idem-socket-dir', port: 1, connectionTimeoutMillis: 2000 });
 }
 
-module.exports = { uniqueKey, makePool, sleep, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool };
+module.exports = {
+  uniqueKey, makePool, sleep, waitFor, untilServerPast, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool,
+};

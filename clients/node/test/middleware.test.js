@@ -4,7 +4,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { makePool, uniqueKey, sleep, lookup, listen, deadPool } = require('./helpers');
+const { makePool, uniqueKey, sleep, waitFor, lookup, listen, deadPool } = require('./helpers');
 const { createApp } = require('./app');
 
 const pool = makePool({ max: 12 });
@@ -132,11 +132,9 @@ test('the client drops the connection mid-request: the handler finishes, the res
   assert.equal((await first).name, 'AbortError');
   assert.equal((await post(`${url}/slow`, key, { n: 1 })).status, 409);
   open();
-  let row = null;
-  for (let i = 0; i < 100 && !(row && row.state === 'DONE'); i++) {
-    await sleep(20);
-    row = await lookup(pool, key);
-  }
+  // The handler finishes on its own after the client left: wait for its response to be stored.
+  await waitFor(async () => (await lookup(pool, key))?.state === 'DONE', 30000, 20);
+  const row = await lookup(pool, key);
   assert.equal(row.state, 'DONE');
   assert.equal(row.status, 201);
   const retry = await post(`${url}/slow`, key, { n: 1 });

@@ -13,7 +13,9 @@ const os = require('node:os');
 const path = require('node:path');
 const { spawn, execFileSync } = require('node:child_process');
 const { Guard, Outcome, transaction, failTimes } = require('..');
-const { makePool, uniqueKey, sleep, Ledger, ledgerHandler, countOutcomes, lookup, recordPid } = require('./helpers');
+const {
+  makePool, uniqueKey, waitFor, untilServerPast, Ledger, ledgerHandler, countOutcomes, lookup, recordPid,
+} = require('./helpers');
 
 const PGBOUNCER = '/usr/sbin/pgbouncer';
 
@@ -53,13 +55,23 @@ logfile = ${dir}/pgbouncer.log
   const args = process.getuid && process.getuid() === 0 ? ['-u', 'idemtest', `${dir}/pgbouncer.ini`] : [`${dir}/pgbouncer.ini`];
   const child = spawn(PGBOUNCER, args, { stdio: 'ignore' });
   recordPid(child.pid);
-  for (let i = 0; i < 100; i++) {
-    const up = await new Promise((resolve) => {
+  const up = await waitFor(async () => {
+    if (child.exitCode !== null || child.signalCode !== null) return 'exited';
+    return new Promise((resolve) => {
       const s = net.connect(port, '127.0.0.1', () => { s.end(); resolve(true); });
       s.on('error', () => resolve(false));
     });
-    if (up) break;
-    await sleep(50);
+  });
+  if (up !== true) {
+    child.kill('SIGKILL');
+    let log = '';
+    try {
+      log = fs.readFileSync(path.join(dir, 'pgbouncer.log'), 'utf8');
+    } catch {
+      // no log written
+    }
+    fs.rmSync(dir, { recursive: true, force: true });
+    throw new Error(`pgbouncer did not start on port ${port}\n${log}`);
   }
   return {
     port,
@@ -120,16 +132,18 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
   });
 
   await t.test('heartbeat and the one-transaction helper', async () => {
-    const guard = new Guard(pool, { lease: 1200, heartbeat: 300 });
+    // Ten beats per lease: the lease outlives a few beats kept waiting for a server connection.
+    const guard = new Guard(pool, { lease: 3000, heartbeat: 300 });
     const key = uniqueKey('bouncer-hb');
     let probe;
-    const r = await guard.do(key, 'fp', async () => {
-      await sleep(1700);
+    const r = await guard.do(key, 'fp', async (claim) => {
+      // Past the lease the claim was made with, by the server's clock.
+      await untilServerPast(direct, claim.leaseUntil);
       probe = await guard.do(key, 'fp', async () => ({ status: 200 }));
       return { status: 200, body: 'ok' };
     });
     assert.equal(probe.outcome, Outcome.IN_FLIGHT);
-    assert.ok(r.extends >= 3);
+    assert.ok(r.extends >= 3, `extends=${r.extends}`);
     assert.equal(r.failedStep, null);
 
     const key2 = uniqueKey('bouncer-tx');

@@ -7,14 +7,21 @@ const test = require('node:test');
 const assert = require('node:assert/strict');
 const pg = require('pg');
 const { Guard, Outcome, transaction, TimeoutError, UnavailableError } = require('..');
-const { makePool, uniqueKey, sleep, lookup } = require('./helpers');
+const { makePool, uniqueKey, sleep, waitFor, lookup } = require('./helpers');
 
 const pool = makePool({ max: 10 });
 test.after(() => pool.end());
 
+/** Holders not ended yet: a test that fails before ending its own still lets the file finish. */
+const holders = new Set();
+test.afterEach(async () => {
+  for (const holder of holders) await endHolder(holder).catch(() => {});
+});
+
 /** A session holding an uncommitted claim of key. */
 async function holdClaim(key) {
   const holder = new pg.Client();
+  holders.add(holder);
   await holder.connect();
   await holder.query('BEGIN');
   const r = await holder.query("SELECT claimed FROM public.idem_begin($1::text, 'fp'::text, '60s'::interval)", [key]);
@@ -23,24 +30,20 @@ async function holdClaim(key) {
 }
 
 async function endHolder(holder) {
-  await holder.query('ROLLBACK');
-  await holder.end();
-}
-
-/** Sessions waiting in idem_begin for key (as seen in pg_stat_activity). */
-async function waiters() {
-  const r = await pool.query(`SELECT count(*)::int AS n FROM pg_stat_activity
-    WHERE pid <> pg_backend_pid() AND wait_event_type = 'Lock' AND query LIKE '%idem_begin%'`);
-  return r.rows[0].n;
-}
-
-async function waitFor(cond, ms) {
-  const deadline = Date.now() + ms;
-  while (Date.now() < deadline) {
-    if (await cond()) return true;
-    await sleep(50);
+  holders.delete(holder);
+  try {
+    await holder.query('ROLLBACK');
+  } finally {
+    await holder.end();
   }
-  return cond();
+}
+
+/** Sessions waiting in idem_begin behind holder's claim (as seen in pg_stat_activity). */
+async function waiters(holder) {
+  const r = await pool.query(`SELECT count(*)::int AS n FROM pg_stat_activity
+    WHERE $1::integer = ANY (pg_catalog.pg_blocking_pids(pid)) AND wait_event_type = 'Lock'
+      AND query LIKE '%idem_begin%'`, [holder.processID]);
+  return r.rows[0].n;
 }
 
 test('the trap: node-pg query_timeout abandons a waiting idem_begin, which later claims the key with nobody to complete it', async () => {
@@ -54,7 +57,7 @@ test('the trap: node-pg query_timeout abandons a waiting idem_begin, which later
       /timeout/i);
     await endHolder(holder);
     // The abandoned statement goes on, claims the key and commits it.
-    assert.ok(await waitFor(async () => (await lookup(pool, key)) !== null, 3000));
+    assert.ok(await waitFor(async () => (await lookup(pool, key)) !== null, 30000));
     assert.equal((await lookup(pool, key)).state, 'PROCESSING');
   } finally {
     await naive.end().catch(() => {});
@@ -64,6 +67,8 @@ test('the trap: node-pg query_timeout abandons a waiting idem_begin, which later
 test('Guard timeout: the server cancels the wait (57014), no orphan claim, the key free afterwards', async () => {
   const key = uniqueKey('guard-timeout');
   const holder = await holdClaim(key);
+  // An open idle connection in the pool: the 300 ms go to the wait, not to connecting.
+  await pool.query('SELECT 1');
   const guard = new Guard(pool, { timeout: 300, lease: 60000 });
   let calls = 0;
   const t0 = Date.now();
@@ -75,24 +80,28 @@ test('Guard timeout: the server cancels the wait (57014), no orphan claim, the k
   assert.ok(['57014', '55P03'].includes(r.error.code), `code ${r.error.code}`);
   assert.ok(elapsed >= 250, `cancelled after ${elapsed} ms`);
   assert.equal(calls, 0);
-  assert.equal(await waiters(), 0, 'nothing is still waiting on the server');
+  assert.equal(await waiters(holder), 0, 'nothing is still waiting on the server');
   await endHolder(holder);
   await sleep(300);
   assert.equal(await lookup(pool, key), null, 'no orphan claim');
-  const again = await guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; });
+  // This call must succeed: a generous timeout.
+  const again = await guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; }, { timeout: 10000 });
   assert.equal(again.outcome, Outcome.EXECUTED);
   assert.equal(calls, 1);
 });
 
 test('Guard timeout when the server does not answer at all: the client cuts the link, the claim never commits', async (t) => {
+  const TIMEOUT = 2000;
   const single = makePool({ max: 1 });
   let pid = null;
   single.on('connect', (c) => { pid = c.processID; });
-  const guard = new Guard(single, { timeout: 400, lease: 60000 });
+  const guard = new Guard(single, { timeout: TIMEOUT, lease: 60000 });
   const key = uniqueKey('stopped');
   let stopped = false;
   try {
-    assert.equal((await guard.do(uniqueKey('warm'), 'fp', async () => ({ status: 200 }))).outcome, Outcome.EXECUTED);
+    // Opens the pool's one connection; this call must succeed: a generous timeout.
+    assert.equal((await guard.do(uniqueKey('warm'), 'fp', async () => ({ status: 200 }), { timeout: 10000 })).outcome,
+      Outcome.EXECUTED);
     assert.ok(pid > 0);
     try {
       process.kill(pid, 0);
@@ -101,23 +110,28 @@ test('Guard timeout when the server does not answer at all: the client cuts the 
       return;
     }
     const holder = await holdClaim(key);
+    const t0 = Date.now();
     const pending = guard.do(key, 'fp', async () => ({ status: 200 }));
-    await sleep(150);
+    // Stopped once it waits for the claim, long before its own timeout fires.
+    assert.ok(await waitFor(async () => (await waiters(holder)) === 1, TIMEOUT), 'the guard waits for the claim');
     process.kill(pid, 'SIGSTOP'); // the backend answers nothing, not even its statement_timeout
     stopped = true;
-    const t0 = Date.now();
+    // Its timeout error would come only after the wait ends: still waiting, it has sent nothing.
+    assert.equal(await waiters(holder), 1, 'stopped while still waiting');
     const r = await pending;
+    const elapsed = Date.now() - t0;
     assert.equal(r.outcome, Outcome.UNAVAILABLE);
     assert.ok(r.error instanceof TimeoutError, String(r.error));
     assert.equal(r.error.code, null, 'the client deadline, not a server error');
-    assert.ok(Date.now() - t0 >= 800, 'after the server had its chance');
+    // The client gives the server its timeout and time to report it before cutting.
+    assert.ok(elapsed >= TIMEOUT + 500, `cut after ${elapsed} ms, the server's timeout ${TIMEOUT} ms`);
     await endHolder(holder); // the key is free: the stopped backend, once resumed, could claim it
     process.kill(pid, 'SIGCONT');
     stopped = false;
     const gone = await waitFor(async () => {
       const a = await pool.query('SELECT count(*)::int AS n FROM pg_stat_activity WHERE pid = $1', [pid]);
       return a.rows[0].n === 0;
-    }, 5000);
+    });
     assert.ok(gone, 'the cut session ended');
     assert.equal(await lookup(pool, key), null, 'no orphan claim');
   } finally {
@@ -145,7 +159,7 @@ test('transaction helper timeout: TimeoutError, rolled back, no claim, the clien
     const r = await transaction(client, key, 'fp', async (claim) => {
       const s = await claim.client.query("SELECT pg_catalog.current_setting('statement_timeout') AS st");
       return { status: 200, body: s.rows[0].st };
-    }, { timeout: 300 });
+    }, { timeout: 10000 }); // this call must succeed: a generous timeout
     assert.equal(r.outcome, Outcome.EXECUTED);
     assert.deepEqual(r.response.body, Buffer.from('0'));
   } finally {
@@ -157,7 +171,7 @@ test('the guard\'s connection killed while it waits (pg_terminate_backend): unav
   const single = makePool({ max: 1 });
   let pid = null;
   single.on('connect', (c) => { pid = c.processID; });
-  const guard = new Guard(single, { timeout: 5000, lease: 60000 });
+  const guard = new Guard(single, { timeout: 10000, lease: 60000 });
   try {
     assert.equal((await guard.do(uniqueKey('warm'), 'fp', async () => ({ status: 200 }))).outcome, Outcome.EXECUTED);
     const firstPid = pid;
@@ -165,7 +179,7 @@ test('the guard\'s connection killed while it waits (pg_terminate_backend): unav
     const holder = await holdClaim(key);
     let calls = 0;
     const pending = guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; });
-    assert.ok(await waitFor(async () => (await waiters()) === 1, 3000));
+    assert.ok(await waitFor(async () => (await waiters(holder)) === 1));
     await pool.query('SELECT pg_catalog.pg_terminate_backend($1::integer)', [firstPid]);
     const r = await pending;
     assert.equal(r.outcome, Outcome.UNAVAILABLE);
