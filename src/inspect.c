@@ -37,7 +37,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
-	keytable_open(&kt, "idem_lookup()", scope, key);
+	keytable_open(&kt, "idem_lookup()", scope, key, AccessShareLock);
 	if (keytable_read(&kt, &row, NULL))
 	{
 		Datum		values[6];

@@ -290,7 +290,35 @@ too_many_rounds(text *key)
 			 errhint("Retry the transaction.")));
 }
 
-/* Claim a key, or find out why not; see the file header. */
+/*
+ * The error of a claim whose snapshot predates another claim of the key,
+ * or its deletion (by a purge).
+ */
+static void
+changed_since_snapshot(text *key, bool deleted)
+{
+	if (deleted)
+		ereport(ERROR,
+				(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+				 errmsg("could not serialize access due to concurrent delete"),
+				 errdetail("Idempotency key \"%s\" was purged after this transaction's snapshot.",
+						   idem_key_for_message(key))));
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("could not serialize access due to concurrent update"),
+			 errdetail("Idempotency key \"%s\" was claimed after this transaction's snapshot.",
+					   idem_key_for_message(key))));
+}
+
+/*
+ * Claim a key, or find out why not; see the file header.  Nothing is
+ * written before a look at the key with a dirty snapshot shows that the
+ * write can succeed, as ExecInsert's pre-check does: a key another
+ * transaction is inserting or changing is waited for, or reported in
+ * flight, without taking a transaction ID, a token or WAL (so also in a
+ * read-only transaction), and a version committed after a REPEATABLE READ
+ * or SERIALIZABLE snapshot fails before anything is written.
+ */
 static void
 claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 {
@@ -302,60 +330,72 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		KeyRow		row;
 		KeyWaiter	waiter;
 		KeyValues	kv;
+		KeyProbe	probe;
 
-		if (keytable_read(kt, &row, args->result_cxt))
-		{
-			if (decide(args, &row, res))
-				return;
-			switch (reclaim(kt, args, &row, may_wait, res))
-			{
-				case KEYWRITE_OK:
-					return;
-				case KEYWRITE_BUSY:
-					set_in_flight(res, NULL);
-					return;
-				case KEYWRITE_CHANGED:
-					/* Changed since it was read, maybe after a wait. */
-					may_wait = false;
-					continue;
-			}
-		}
-
-		/* A new key: insert it, and find out who was first if that fails. */
-		claim_values(&kv, args, args->expires_at);
-		if (keytable_insert(kt, &kv))
-		{
-			set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
-			idem_stats_count(IDEM_STAT_CLAIMS);
+		CHECK_FOR_INTERRUPTS();
+		if (keytable_read(kt, &row, args->result_cxt) &&
+			decide(args, &row, res))
 			return;
-		}
-		switch (keytable_probe(kt, &waiter))
+
+		/* The key is free, its window or its lease over: look before writing. */
+		probe = keytable_probe(kt, &waiter);
+		if (probe == PROBE_IN_PROGRESS &&
+			!TransactionIdIsCurrentTransactionId(waiter.xid))
 		{
-			case PROBE_IN_PROGRESS:
-				if (!may_wait)
-				{
-					set_in_flight(res, NULL);
-					return;
-				}
-				/*
-				 * Waiting for a speculative insertion to finish is not the
-				 * wait for its transaction, which may still hold the key.
-				 */
-				if (keytable_wait(kt, &waiter))
-					may_wait = false;
-				break;
-			case PROBE_COMMITTED:
-				/* Claimed and committed after this snapshot was taken. */
-				if (IsolationUsesXactSnapshot())
-					ereport(ERROR,
-							(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-							 errmsg("could not serialize access due to concurrent update"),
-							 errdetail("Idempotency key \"%s\" was claimed after this transaction's snapshot.",
-									   idem_key_for_message(kt->key))));
-				break;
-			case PROBE_NONE:
-				/* The other inserter is gone already: try again. */
-				break;
+			/*
+			 * Only a purge deletes a version whose window is over; it never
+			 * waits itself and holds the row for one short batch, so even
+			 * wait => false waits for it, and then claims the key.
+			 */
+			bool		purge = waiter.deleting && row.found &&
+				row.expires_at <= args->now;
+
+			if (!may_wait && !purge)
+			{
+				set_in_flight(res, NULL);
+				return;
+			}
+			/*
+			 * Waiting for a speculative insertion to finish is not the wait
+			 * for its transaction, which may still hold the key.
+			 */
+			if (keytable_wait(kt, &waiter) && !purge)
+				may_wait = false;
+			continue;
+		}
+		if ((probe == PROBE_COMMITTED &&
+			 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
+			(probe == PROBE_NONE && row.found))
+		{
+			/* Claimed or purged after this snapshot was taken. */
+			if (IsolationUsesXactSnapshot())
+				changed_since_snapshot(kt->key, probe == PROBE_NONE);
+			continue;			/* READ COMMITTED: read it again */
+		}
+
+		if (!row.found)
+		{
+			/* A new key: insert it, unless another inserter came first. */
+			claim_values(&kv, args, args->expires_at);
+			if (keytable_insert(kt, &kv))
+			{
+				set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+				idem_stats_count(IDEM_STAT_CLAIMS);
+				return;
+			}
+			continue;
+		}
+		switch (reclaim(kt, args, &row, may_wait, res))
+		{
+			case KEYWRITE_OK:
+				return;
+			case KEYWRITE_BUSY:
+				set_in_flight(res, NULL);
+				return;
+			case KEYWRITE_CHANGED:
+				/* Changed since it was read, maybe after a wait. */
+				may_wait = false;
+				continue;
 		}
 	}
 	too_many_rounds(kt->key);
@@ -424,7 +464,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(&res, 0, sizeof(res));
-	keytable_open(&kt, "idem_begin()", scope, key);
+	keytable_open(&kt, "idem_begin()", scope, key, keytable_write_lockmode());
 	claim_key(&kt, &args, &res);
 	keytable_close(&kt);
 
@@ -628,7 +668,7 @@ idem_complete(PG_FUNCTION_ARGS)
 	if (retention != NULL)
 		expires_at = idem_window_end(now, retention, 0, "retention");
 
-	keytable_open(&kt, "idem_complete()", scope, key);
+	keytable_open(&kt, "idem_complete()", scope, key, keytable_write_lockmode());
 	for (round = 0;; round++)
 	{
 		KeyValues	kv;
@@ -679,7 +719,7 @@ idem_release(PG_FUNCTION_ARGS)
 	bool		released = false;
 	int			round;
 
-	keytable_open(&kt, "idem_release()", scope, key);
+	keytable_open(&kt, "idem_release()", scope, key, keytable_write_lockmode());
 	for (round = 0;; round++)
 	{
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
@@ -724,7 +764,7 @@ idem_extend(PG_FUNCTION_ARGS)
 	KeyValues	kv;
 	int			round;
 
-	keytable_open(&kt, "idem_extend()", scope, key);
+	keytable_open(&kt, "idem_extend()", scope, key, keytable_write_lockmode());
 	for (round = 0;; round++)
 	{
 		TimestampTz until = lease_until;

@@ -52,6 +52,7 @@
 #include "access/genam.h"
 #include "access/heapam.h"
 #include "access/htup_details.h"
+#include "access/multixact.h"
 #include "access/relation.h"
 #include "access/table.h"
 #include "access/tableam.h"
@@ -60,14 +61,17 @@
 #include "catalog/namespace.h"
 #include "catalog/pg_am_d.h"
 #include "catalog/pg_collation_d.h"
+#include "catalog/pg_opfamily_d.h"
 #include "catalog/pg_sequence.h"
 #include "catalog/pg_type_d.h"
 #include "commands/sequence.h"
+#include "executor/executor.h"
 #include "executor/tuptable.h"
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
 #include "storage/lmgr.h"
+#include "storage/procarray.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/hsearch.h"
@@ -82,42 +86,58 @@
 #include "keytable.h"
 
 /*
- * The columns of idem.keys, as sql/idem--1.0.sql creates them and the
- * update to 1.3 adds claimed_by.
+ * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
+ * to 1.3 adds claimed_by (an oid) and the update to 1.4 makes it a
+ * regrole.
  */
 static const struct
 {
 	const char *name;
 	Oid			type;
+	Oid			type_1_3;		/* the type before 1.4 */
 	bool		notnull;
 } key_columns[Natts_keys] = {
-	{"scope", TEXTOID, true},
-	{"key", TEXTOID, true},
-	{"fingerprint", BYTEAOID, true},
-	{"token", INT8OID, true},
-	{"status", INT4OID, false},
-	{"body", BYTEAOID, false},
-	{"lease_until", TIMESTAMPTZOID, false},
-	{"expires_at", TIMESTAMPTZOID, true},
-	{"claimed_by", OIDOID, false},
+	{"scope", TEXTOID, TEXTOID, true},
+	{"key", TEXTOID, TEXTOID, true},
+	{"fingerprint", BYTEAOID, BYTEAOID, true},
+	{"token", INT8OID, INT8OID, true},
+	{"status", INT4OID, INT4OID, false},
+	{"body", BYTEAOID, BYTEAOID, false},
+	{"lease_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
+	{"expires_at", TIMESTAMPTZOID, TIMESTAMPTZOID, true},
+	{"claimed_by", REGROLEOID, OIDOID, false},
 };
 
 /* Identity of the table, cached until an invalidation touches it. */
 static Oid	keys_relid = InvalidOid;
 static Oid	token_seq_relid = InvalidOid;
 static bool callbacks_registered = false;
-/* Bumped by every invalidation of the table, its index or the sequence. */
+/* Bumped by every invalidation of the table, its indexes or the sequence. */
 static uint64 keys_inval_count = 0;
 /* keys_inval_count when the shape was last found good, plus one. */
 static uint64 shape_checked = 0;
+
+/*
+ * Indexes a table of the right shape may have: the primary key and the
+ * copies of it that REINDEX CONCURRENTLY builds (and leaves behind when it
+ * is cancelled).
+ */
+#define IDEM_MAX_INDEXES	4
+
+/* An index of idem.keys on (key, scope), as the shape check found it. */
+typedef struct KeyIndex
+{
+	Oid			relid;
+	IndexInfo  *info;			/* built with the shape check */
+	bool		key_first;		/* on (key, scope), not (scope, key) */
+} KeyIndex;
 
 /* What the shape check found out about a table with the right shape. */
 typedef struct KeyShape
 {
 	Oid			relid;			/* hash key of shard_shapes */
-	Oid			pkey_relid;
-	IndexInfo  *pkey_info;		/* built with the shape check */
-	bool		key_first;		/* primary key on (key, scope), not (scope, key) */
+	int			nindexes;		/* all indexes; the primary key first */
+	KeyIndex	indexes[IDEM_MAX_INDEXES];
 } KeyShape;
 
 /* Memory of the shape checks; reset when the shape is checked anew. */
@@ -132,17 +152,29 @@ static AttrNumber keys_distcol = 0;
 static int64 shard_token_floor = 0;
 /*
  * Shards of a distributed idem.keys checked since the last invalidation,
- * by relation OID; their primary keys are entered too, with relid as the
+ * by relation OID; their indexes are entered too, with relid as the
  * index's OID, so that the relcache callback finds them.
  */
 static HTAB *shard_shapes = NULL;
 
-/* Forget the table's identity and shape when it, its index or the sequence changes. */
+/* Is relid one of the indexes of the shape? */
+static bool
+shape_has_index(KeyShape *shape, Oid relid)
+{
+	int			i;
+
+	for (i = 0; i < shape->nindexes; i++)
+		if (shape->indexes[i].relid == relid)
+			return true;
+	return false;
+}
+
+/* Forget the table's identity and shape when it, an index or the sequence changes. */
 static void
 keys_relcache_callback(Datum arg, Oid relid)
 {
 	if (relid == InvalidOid || relid == keys_relid ||
-		relid == token_seq_relid || relid == keys_shape.pkey_relid ||
+		relid == token_seq_relid || shape_has_index(&keys_shape, relid) ||
 		(shard_shapes != NULL &&
 		 hash_search(shard_shapes, &relid, HASH_FIND, NULL) != NULL))
 	{
@@ -231,23 +263,108 @@ open_keys_relation(LOCKMODE lockmode)
 					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")))
 
 /*
+ * Is index a btree on (key, scope) that finds keys as the primary key
+ * does: the C collation and text_ops on both columns, no expressions, no
+ * predicate, no INCLUDE columns?  Sets *key_first to its column order.
+ */
+static bool
+is_key_index(Relation index, bool *key_first)
+{
+	Form_pg_index ind = index->rd_index;
+	int			i;
+
+	if (index->rd_rel->relam != BTREE_AM_OID ||
+		ind->indnatts != 2 || ind->indnkeyatts != 2 ||
+		!((ind->indkey.values[0] == Anum_keys_key &&
+		   ind->indkey.values[1] == Anum_keys_scope) ||
+		  (ind->indkey.values[0] == Anum_keys_scope &&
+		   ind->indkey.values[1] == Anum_keys_key)) ||
+		!ind->indimmediate ||
+		RelationGetIndexExpressions(index) != NIL ||
+		RelationGetIndexPredicate(index) != NIL)
+		return false;
+	for (i = 0; i < 2; i++)
+	{
+		if (index->rd_indcollation[i] != C_COLLATION_OID ||
+			index->rd_opfamily[i] != TEXT_BTREE_FAM_OID)
+			return false;
+	}
+	*key_first = (ind->indkey.values[0] == Anum_keys_key);
+	return true;
+}
+
+/*
+ * Check the indexes of idem.keys (or a shard of it) and note them in
+ * *shape, the primary key first, with IndexInfos built in keytable_cxt.
+ * Besides the primary key, only copies of it are accepted: REINDEX
+ * CONCURRENTLY builds one beside it and leaves it behind, invalid, when it
+ * is cancelled.  Copies ready for inserts are maintained as the executor
+ * maintains every index; any other index would not be, and is refused.
+ */
+static void
+check_indexes(Relation rel, KeyShape *shape)
+{
+	Oid			pkid = idem_primary_key_index(rel);
+	List	   *indexes;
+	ListCell   *lc;
+	int			i;
+
+	if (!OidIsValid(pkid))
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has no primary key"));
+	shape->nindexes = 1;
+	shape->indexes[0].relid = pkid;
+	indexes = RelationGetIndexList(rel);
+	foreach(lc, indexes)
+	{
+		if (lfirst_oid(lc) == pkid)
+			continue;
+		if (shape->nindexes == IDEM_MAX_INDEXES)
+			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
+								get_rel_name(lfirst_oid(lc))));
+		shape->indexes[shape->nindexes++].relid = lfirst_oid(lc);
+	}
+	list_free(indexes);
+
+	for (i = 0; i < shape->nindexes; i++)
+	{
+		KeyIndex   *ki = &shape->indexes[i];
+		Relation	index = index_open(ki->relid, AccessShareLock);
+		MemoryContext old;
+
+		if (i == 0 && (!is_key_index(index, &ki->key_first) ||
+					   !index->rd_index->indisvalid))
+			refuse_shape(errmsg("idem cannot use table idem.keys: its primary key was changed"),
+						 errdetail("It should be a btree on (key, scope) with text_ops and the C collation."));
+		if (i > 0 && !is_key_index(index, &ki->key_first))
+			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
+								RelationGetRelationName(index)),
+						 errdetail("idem maintains only its primary key and copies of it, as REINDEX CONCURRENTLY builds them."));
+		old = MemoryContextSwitchTo(keytable_cxt);
+		ki->info = BuildIndexInfo(index);
+		MemoryContextSwitchTo(old);
+		index_close(index, NoLock);
+	}
+}
+
+/*
  * Check that idem.keys (or a shard of it) is as the install script made
- * it, and note in *shape its primary key, with an IndexInfo built in
- * keytable_cxt.
+ * it, and note its indexes in *shape.
  */
 static void
 check_shape(Relation rel, KeyShape *shape)
 {
 	TupleDesc	desc = RelationGetDescr(rel);
-	Oid			pkid;
-	List	   *indexes;
-	ListCell   *lc;
-	Relation	pkey;
 	int			i;
 
 	if (rel->rd_rel->relkind != RELKIND_RELATION ||
 		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
 		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a heap table"));
+	if (rel->rd_rel->relpersistence != RELPERSISTENCE_PERMANENT)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a logged table"),
+					 errdetail("An unlogged table is emptied by a crash, and keys already completed would run again."));
+	if (rel->rd_rel->relispartition)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is a partition of another table"),
+					 errdetail("idem does not check partition constraints."));
 	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_2)
 		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
 					 errdetail("It has %d columns; idem expects %d.",
@@ -258,7 +375,8 @@ check_shape(Relation rel, KeyShape *shape)
 
 		if (att->attisdropped ||
 			strcmp(NameStr(att->attname), key_columns[i].name) != 0 ||
-			att->atttypid != key_columns[i].type ||
+			(att->atttypid != key_columns[i].type &&
+			 att->atttypid != key_columns[i].type_1_3) ||
 			att->attnotnull != key_columns[i].notnull ||
 			att->attgenerated != '\0' ||
 			(i < 2 && att->attcollation != C_COLLATION_OID))
@@ -284,42 +402,8 @@ check_shape(Relation rel, KeyShape *shape)
 		refuse_shape(errmsg("idem cannot use table idem.keys: it has trigger \"%s\", which idem does not fire",
 							trigger->tgname));
 	}
-
-	pkid = idem_primary_key_index(rel);
-	if (!OidIsValid(pkid))
-		refuse_shape(errmsg("idem cannot use table idem.keys: it has no primary key"));
-	indexes = RelationGetIndexList(rel);
-	foreach(lc, indexes)
-	{
-		if (lfirst_oid(lc) != pkid)
-			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
-								get_rel_name(lfirst_oid(lc))));
-	}
-	list_free(indexes);
-
-	pkey = index_open(pkid, AccessShareLock);
-	if (pkey->rd_rel->relam != BTREE_AM_OID ||
-		pkey->rd_index->indnatts != 2 ||
-		pkey->rd_index->indnkeyatts != 2 ||
-		!((pkey->rd_index->indkey.values[0] == Anum_keys_key &&
-		   pkey->rd_index->indkey.values[1] == Anum_keys_scope) ||
-		  (pkey->rd_index->indkey.values[0] == Anum_keys_scope &&
-		   pkey->rd_index->indkey.values[1] == Anum_keys_key)) ||
-		!pkey->rd_index->indimmediate ||
-		RelationGetIndexExpressions(pkey) != NIL ||
-		RelationGetIndexPredicate(pkey) != NIL)
-		refuse_shape(errmsg("idem cannot use table idem.keys: its primary key was changed"),
-					 errdetail("It should be a btree on (key, scope)."));
+	check_indexes(rel, shape);
 	shape->relid = RelationGetRelid(rel);
-	shape->key_first = (pkey->rd_index->indkey.values[0] == Anum_keys_key);
-	{
-		MemoryContext old = MemoryContextSwitchTo(keytable_cxt);
-
-		shape->pkey_info = BuildIndexInfo(pkey);
-		MemoryContextSwitchTo(old);
-	}
-	shape->pkey_relid = pkid;
-	index_close(pkey, NoLock);
 }
 
 /* Check that idem.token_seq is as the install script made it. */
@@ -333,11 +417,12 @@ check_token_seq(void)
 	if (!HeapTupleIsValid(seqtup))
 		elog(ERROR, "cache lookup failed for sequence %u", token_seq_relid);
 	seq = (Form_pg_sequence) GETSTRUCT(seqtup);
-	if (seq->seqcache != 1 || seq->seqcycle || seq->seqincrement <= 0)
+	if (seq->seqcache != 1 || seq->seqcycle || seq->seqincrement != 1 ||
+		get_rel_persistence(token_seq_relid) != RELPERSISTENCE_PERMANENT)
 		ereport(ERROR,
 				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem cannot use sequence idem.token_seq: it must be ascending, with CACHE 1 and NO CYCLE"),
-				 errdetail("Fencing tokens must grow across all sessions.")));
+				 errmsg("idem cannot use sequence idem.token_seq: it must be logged, with INCREMENT 1, CACHE 1 and NO CYCLE"),
+				 errdetail("Fencing tokens must grow across all sessions and crashes.")));
 	ReleaseSysCache(seqtup);
 }
 
@@ -352,7 +437,7 @@ static void
 check_keys(Relation rel)
 {
 	shard_shapes = NULL;
-	keys_shape.pkey_relid = InvalidOid;
+	keys_shape.nindexes = 0;
 	if (keytable_cxt == NULL)
 		keytable_cxt = AllocSetContextCreate(CacheMemoryContext,
 											 "idem key table",
@@ -373,6 +458,7 @@ shard_shape(Relation shard)
 	KeyShape   *shape;
 	KeyShape	checked;
 	bool		found;
+	int			i;
 
 	if (shard_shapes == NULL)
 	{
@@ -388,13 +474,55 @@ shard_shape(Relation shard)
 	if (shape != NULL)
 		return shape;
 	check_shape(shard, &checked);
-	/* The index, so that its invalidations are noticed too. */
-	shape = hash_search(shard_shapes, &checked.pkey_relid, HASH_ENTER, &found);
-	*shape = checked;
-	shape->relid = checked.pkey_relid;
+	/* The indexes, so that their invalidations are noticed too. */
+	for (i = 0; i < checked.nindexes; i++)
+	{
+		shape = hash_search(shard_shapes, &checked.indexes[i].relid,
+							HASH_ENTER, &found);
+		*shape = checked;
+		shape->relid = checked.indexes[i].relid;
+	}
 	shape = hash_search(shard_shapes, &relid, HASH_ENTER, &found);
 	*shape = checked;
 	return shape;
+}
+
+/*
+ * Open the indexes of shape with the lock kt holds on the table: the
+ * primary key, and the copies of it that are ready for inserts (those
+ * that are not yet are not maintained, as the executor does).
+ */
+static void
+open_indexes(KeyTable *kt, KeyShape *shape)
+{
+	int			i;
+
+	kt->nindexes = 0;
+	for (i = 0; i < shape->nindexes; i++)
+	{
+		KeyIndex   *ki = &shape->indexes[i];
+
+		if (i > 0 && !ki->info->ii_ReadyForInserts)
+			continue;
+		kt->indexes[kt->nindexes] = index_open(ki->relid, kt->lockmode);
+		kt->index_infos[kt->nindexes] = ki->info;
+		kt->index_key_first[kt->nindexes] = ki->key_first;
+		kt->nindexes++;
+	}
+	kt->pkey = kt->indexes[0];
+	kt->pkey_key_first = kt->index_key_first[0];
+}
+
+/* Close the indexes open_indexes opened; their locks stay. */
+static void
+close_indexes(KeyTable *kt)
+{
+	int			i;
+
+	for (i = 0; i < kt->nindexes; i++)
+		index_close(kt->indexes[i], NoLock);
+	kt->nindexes = 0;
+	kt->pkey = NULL;
 }
 
 /*
@@ -404,31 +532,45 @@ shard_shape(Relation shard)
 static void
 open_shard(KeyTable *kt, Oid relid)
 {
-	KeyShape   *shape;
-
 	table_close(kt->rel, NoLock);
-	kt->rel = table_open(relid, AccessShareLock);
-	shape = shard_shape(kt->rel);
-	kt->pkey = index_open(shape->pkey_relid, AccessShareLock);
-	kt->pkey_info = shape->pkey_info;
-	kt->pkey_key_first = shape->key_first;
+	kt->rel = table_open(relid, kt->lockmode);
+	open_indexes(kt, shard_shape(kt->rel));
 	kt->distributed = true;
 	shard_token_floor = 0;
 }
 
 /*
+ * The lock a call that may write takes on idem.keys: RowExclusiveLock, as
+ * INSERT, UPDATE and DELETE do, unless the transaction is read-only (also
+ * on a hot standby), where nothing will be written.
+ */
+LOCKMODE
+keytable_write_lockmode(void)
+{
+	return XactReadOnly ? AccessShareLock : RowExclusiveLock;
+}
+
+/*
  * Open idem.keys for a call of the SQL function "what" on (scope, key),
- * with AccessShareLock until the end of the transaction.  scope and key
- * may be NULL (purge, which opens the shards of a distributed table
- * itself).  If Citus distributes the table, the shard that holds the key
- * is opened instead, or the call fails if that shard is on another node.
+ * with lockmode (AccessShareLock to read, keytable_write_lockmode() for a
+ * call that may write) on the table and its indexes until the end of the
+ * transaction.  The lock is taken before anything about the table is
+ * looked at: taking it processes the invalidations of DDL committed
+ * before, so the shape check sees what the write will see, and DDL that
+ * would change what a writer must maintain waits for this transaction.
+ * scope and key may be NULL (purge, which opens the shards of a
+ * distributed table itself).  If Citus distributes the table, the shard
+ * that holds the key is opened instead, or the call fails if that shard
+ * is on another node.
  */
 void
-keytable_open(KeyTable *kt, const char *what, text *scope, text *key)
+keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
+			  LOCKMODE lockmode)
 {
 	uint64		inval_count;
 
-	kt->rel = open_keys_relation(AccessShareLock);
+	kt->rel = open_keys_relation(lockmode);
+	kt->lockmode = lockmode;
 	inval_count = keys_inval_count;
 	if (shape_checked != inval_count + 1)
 	{
@@ -440,21 +582,18 @@ keytable_open(KeyTable *kt, const char *what, text *scope, text *key)
 	kt->what = what;
 	kt->scope = scope;
 	kt->key = key;
+	kt->nindexes = 0;
+	kt->pkey = NULL;
+	kt->distributed = false;
 	if (unlikely(keys_distcol != 0))
 	{
-		kt->pkey = NULL;
 		if (key != NULL)
 			open_shard(kt, idem_citus_local_shard(kt->rel,
 												  PointerGetDatum(keys_distcol == Anum_keys_key ? key : scope),
 												  what, key));
 	}
 	else
-	{
-		kt->pkey = index_open(keys_shape.pkey_relid, AccessShareLock);
-		kt->pkey_info = keys_shape.pkey_info;
-		kt->pkey_key_first = keys_shape.key_first;
-		kt->distributed = false;
-	}
+		open_indexes(kt, &keys_shape);
 	kt->slot = table_slot_create(kt->rel, NULL);
 }
 
@@ -463,14 +602,14 @@ void
 keytable_close(KeyTable *kt)
 {
 	ExecDropSingleTupleTableSlot(kt->slot);
-	if (kt->pkey != NULL)
-		index_close(kt->pkey, NoLock);
+	close_indexes(kt);
 	table_close(kt->rel, NoLock);
 }
 
 /*
  * Every write goes through here first: refuse read-only transactions and
- * recovery, as nextval() does, and take the lock a writer takes.
+ * recovery, as nextval() does.  The table was opened with the writer's
+ * lock (see keytable_write_lockmode), so the shape was checked under it.
  */
 void
 keytable_prepare_write(KeyTable *kt)
@@ -480,8 +619,8 @@ keytable_prepare_write(KeyTable *kt)
 	PreventCommandIfReadOnly(kt->what);
 	PreventCommandIfParallelMode(kt->what);
 	PreventCommandDuringRecovery(kt->what);
-	LockRelationOid(RelationGetRelid(kt->rel), RowExclusiveLock);
-	LockRelationOid(RelationGetRelid(kt->pkey), RowExclusiveLock);
+	if (kt->lockmode < RowExclusiveLock)
+		elog(ERROR, "idem.keys was opened for reading only");
 	kt->writable = true;
 }
 
@@ -629,7 +768,10 @@ keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 /*
  * Look at the key with a dirty snapshot: is there a version a snapshot
  * cannot see yet (committed since, or being inserted or deleted by a
- * running transaction)?  Never waits.
+ * running transaction)?  Never waits.  For PROBE_IN_PROGRESS, *waiter
+ * tells whom to wait for, and whether that transaction is only deleting
+ * the key (no version of its own is being inserted); for PROBE_COMMITTED,
+ * waiter->tid is the committed version found.
  */
 KeyProbe
 keytable_probe(KeyTable *kt, KeyWaiter *waiter)
@@ -645,15 +787,33 @@ keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 	index_rescan(scan, skey, 2, NULL, 0);
 	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
 	{
-		if (TransactionIdIsValid(snap.xmin) || TransactionIdIsValid(snap.xmax))
+		if (TransactionIdIsValid(snap.xmin))
 		{
-			waiter->xid = TransactionIdIsValid(snap.xmin) ? snap.xmin : snap.xmax;
+			/* Being inserted: whoever deletes an older version, wait for this. */
+			waiter->xid = snap.xmin;
 			waiter->spec_token = snap.speculativeToken;
 			waiter->tid = kt->slot->tts_tid;
+			waiter->deleting = false;
 			result = PROBE_IN_PROGRESS;
 			break;
 		}
-		result = PROBE_COMMITTED;
+		if (TransactionIdIsValid(snap.xmax))
+		{
+			if (result != PROBE_IN_PROGRESS)
+			{
+				waiter->xid = snap.xmax;
+				waiter->spec_token = 0;
+				waiter->tid = kt->slot->tts_tid;
+				waiter->deleting = true;
+			}
+			result = PROBE_IN_PROGRESS;
+			continue;
+		}
+		if (result != PROBE_IN_PROGRESS)
+		{
+			waiter->tid = kt->slot->tts_tid;
+			result = PROBE_COMMITTED;
+		}
 	}
 	index_endscan(scan);
 	return result;
@@ -682,16 +842,45 @@ keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 	return !speculative;
 }
 
-/* A heap tuple of idem.keys with the values of kv. */
+/*
+ * Put the stored version at tid in the slot, unless it is there already
+ * (the version last read usually is).
+ */
+static void
+fetch_version(KeyTable *kt, ItemPointer tid)
+{
+	if (!TTS_EMPTY(kt->slot) && ItemPointerEquals(&kt->slot->tts_tid, tid))
+		return;
+	if (!table_tuple_fetch_row_version(kt->rel, tid, SnapshotAny, kt->slot))
+		elog(ERROR, "could not fetch version (%u,%u) of idempotency key",
+			 ItemPointerGetBlockNumber(tid), ItemPointerGetOffsetNumber(tid));
+}
+
+/*
+ * A heap tuple of idem.keys with the values of kv.  A new version of a
+ * stored row (old is its tid) keeps that row's scope and key datums as
+ * stored, so that a key long enough to have been toasted compares as
+ * unchanged and the update can be HOT.
+ */
 static HeapTuple
-form_row(KeyTable *kt, KeyValues *kv)
+form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 {
 	Datum		values[Natts_keys];
 	bool		nulls[Natts_keys];
 
 	memset(nulls, false, sizeof(nulls));
-	values[Anum_keys_scope - 1] = PointerGetDatum(kt->scope);
-	values[Anum_keys_key - 1] = PointerGetDatum(kt->key);
+	if (old != NULL)
+	{
+		fetch_version(kt, old);
+		slot_getsomeattrs(kt->slot, Anum_keys_key);
+		values[Anum_keys_scope - 1] = kt->slot->tts_values[Anum_keys_scope - 1];
+		values[Anum_keys_key - 1] = kt->slot->tts_values[Anum_keys_key - 1];
+	}
+	else
+	{
+		values[Anum_keys_scope - 1] = PointerGetDatum(kt->scope);
+		values[Anum_keys_key - 1] = PointerGetDatum(kt->key);
+	}
 	values[Anum_keys_fingerprint - 1] = PointerGetDatum(kv->fingerprint);
 	values[Anum_keys_token - 1] = Int64GetDatum(kv->token);
 	values[Anum_keys_status - 1] = Int32GetDatum(kv->status);
@@ -707,16 +896,34 @@ form_row(KeyTable *kt, KeyValues *kv)
 	return heap_form_tuple(RelationGetDescr(kt->rel), values, nulls);
 }
 
-/* Add the primary key entry of a new version of the key's row. */
+/*
+ * Add the index entries of a new version of the key's row to every index
+ * that is maintained (see open_indexes), as ExecInsertIndexTuples does:
+ * unique indexes are checked with unique_check, others not at all.
+ * Returns false if a unique index found the key taken (with
+ * UNIQUE_CHECK_PARTIAL only).
+ */
 static bool
-insert_pkey_entry(KeyTable *kt, ItemPointer tid, IndexUniqueCheck check)
+insert_index_entries(KeyTable *kt, ItemPointer tid, IndexUniqueCheck unique_check)
 {
-	Datum		values[2];
 	bool		nulls[2] = {false, false};
+	bool		unique = true;
+	int			i;
 
-	pkey_values(kt, values);
-	return index_insert(kt->pkey, values, nulls, tid, kt->rel, check,
-						check == UNIQUE_CHECK_YES, kt->pkey_info);
+	for (i = 0; i < kt->nindexes; i++)
+	{
+		Relation	index = kt->indexes[i];
+		IndexUniqueCheck check = index->rd_index->indisunique ?
+			unique_check : UNIQUE_CHECK_NO;
+		Datum		values[2];
+
+		values[kt->index_key_first[i] ? 0 : 1] = PointerGetDatum(kt->key);
+		values[kt->index_key_first[i] ? 1 : 0] = PointerGetDatum(kt->scope);
+		if (!index_insert(index, values, nulls, tid, kt->rel, check,
+						  check == UNIQUE_CHECK_YES, kt->index_infos[i]))
+			unique = false;
+	}
+	return unique;
 }
 
 /*
@@ -735,6 +942,13 @@ keytable_next_token(void)
 
 		return token > shard_token_floor ? token : shard_token_floor + 1;
 	}
+	/*
+	 * Lock the sequence before looking at it, as nextval does: an ALTER
+	 * SEQUENCE committed since the shape check is seen, and checked.
+	 */
+	LockRelationOid(token_seq_relid, RowExclusiveLock);
+	if (shape_checked != keys_inval_count + 1)
+		check_token_seq();
 	return nextval_internal(token_seq_relid, false);
 }
 
@@ -759,13 +973,13 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 	keytable_prepare_write(kt);
 	xid = GetCurrentTransactionId();
 	kv->token = keytable_next_token();
-	tuple = form_row(kt, kv);
+	tuple = form_row(kt, kv, NULL);
 
 	spec_token = SpeculativeInsertionLockAcquire(xid);
 	HeapTupleHeaderSetSpeculativeToken(tuple->t_data, spec_token);
 	heap_insert(kt->rel, tuple, GetCurrentCommandId(true),
 				HEAP_INSERT_SPECULATIVE, NULL);
-	unique = insert_pkey_entry(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
+	unique = insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
 	if (unique)
 		heap_finish_speculative(kt->rel, &tuple->t_self);
 	else
@@ -783,14 +997,15 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 			bool		index_new_version;
 
 			kv->token = next;
-			newtuple = form_row(kt, kv);
+			CheckCmdReplicaIdentity(kt->rel, CMD_UPDATE);
+			newtuple = form_row(kt, kv, &tuple->t_self);
 			CommandCounterIncrement();
 			if (idem_heap_update(kt->rel, &tuple->t_self, newtuple,
 								 GetCurrentCommandId(true), true, &tmfd,
 								 &index_new_version) != TM_Ok)
 				elog(ERROR, "could not give idempotency key a new token");
 			if (index_new_version)
-				insert_pkey_entry(kt, &newtuple->t_self, UNIQUE_CHECK_YES);
+				insert_index_entries(kt, &newtuple->t_self, UNIQUE_CHECK_YES);
 			heap_freetuple(newtuple);
 		}
 	}
@@ -866,6 +1081,61 @@ write_result(KeyTable *kt, TM_Result result)
 }
 
 /*
+ * Is the row version at tid, which another write found locked or being
+ * changed, held by this transaction alone?  Its xmax may be this
+ * transaction's (or subtransaction's) XID, or a MultiXactId whose members
+ * still running are all this transaction's: lockers that ended no longer
+ * count, as heap_lock_tuple's callers treat them.
+ */
+static bool
+held_only_by_me(KeyTable *kt, ItemPointer tid)
+{
+	Buffer		buffer;
+	Page		page;
+	ItemId		lp;
+	HeapTupleHeader htup;
+	TransactionId xmax;
+	uint16		infomask;
+	bool		mine = true;
+
+	buffer = ReadBuffer(kt->rel, ItemPointerGetBlockNumber(tid));
+	LockBuffer(buffer, BUFFER_LOCK_SHARE);
+	page = BufferGetPage(buffer);
+	lp = PageGetItemId(page, ItemPointerGetOffsetNumber(tid));
+	if (!ItemIdIsNormal(lp))
+	{
+		UnlockReleaseBuffer(buffer);
+		return false;
+	}
+	htup = (HeapTupleHeader) PageGetItem(page, lp);
+	xmax = HeapTupleHeaderGetRawXmax(htup);
+	infomask = htup->t_infomask;
+	UnlockReleaseBuffer(buffer);
+
+	if (infomask & HEAP_XMAX_INVALID)
+		return false;
+	if (infomask & HEAP_XMAX_IS_MULTI)
+	{
+		MultiXactMember *members;
+		int			n;
+		int			i;
+
+		n = GetMultiXactIdMembers(xmax, &members, false,
+								  HEAP_XMAX_IS_LOCKED_ONLY(infomask));
+		for (i = 0; i < n; i++)
+		{
+			if (!TransactionIdIsCurrentTransactionId(members[i].xid) &&
+				TransactionIdIsInProgress(members[i].xid))
+				mine = false;
+		}
+		if (n > 0)
+			pfree(members);
+		return mine;
+	}
+	return TransactionIdIsCurrentTransactionId(xmax);
+}
+
+/*
  * Replace the version of the key's row in *row, as keytable_read found it,
  * with the values of kv, as UPDATE does: if another transaction is
  * changing that version, wait for it (or return KEYWRITE_BUSY if !wait);
@@ -882,19 +1152,20 @@ keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 	ErrorContextCallback errcb;
 
 	keytable_prepare_write(kt);
-	tuple = form_row(kt, kv);
+	CheckCmdReplicaIdentity(kt->rel, CMD_UPDATE);
+	tuple = form_row(kt, kv, &row->tid);
 	push_wait_context(kt, &errcb);
 	result = idem_heap_update(kt->rel, &row->tid, tuple,
 							  GetCurrentCommandId(true), wait, &tmfd,
 							  &index_new_version);
 	if (result == TM_BeingModified && !wait &&
-		TransactionIdIsCurrentTransactionId(tmfd.xmax))
+		held_only_by_me(kt, &row->tid))
 		result = idem_heap_update(kt->rel, &row->tid, tuple,
 								  GetCurrentCommandId(true), true, &tmfd,
 								  &index_new_version);
 	error_context_stack = errcb.previous;
 	if (index_new_version)
-		insert_pkey_entry(kt, &tuple->t_self, UNIQUE_CHECK_YES);
+		insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
 	heap_freetuple(tuple);
 	return write_result(kt, result);
 }
@@ -912,8 +1183,7 @@ delete_version(KeyTable *kt, ItemPointer tid, bool wait)
 
 	result = heap_delete(kt->rel, tid, GetCurrentCommandId(true),
 						 InvalidSnapshot, wait, &tmfd, false);
-	if (result == TM_BeingModified && !wait &&
-		TransactionIdIsCurrentTransactionId(tmfd.xmax))
+	if (result == TM_BeingModified && !wait && held_only_by_me(kt, tid))
 		result = heap_delete(kt->rel, tid, GetCurrentCommandId(true),
 							 InvalidSnapshot, true, &tmfd, false);
 	return result;
@@ -927,6 +1197,7 @@ keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 	ErrorContextCallback errcb;
 
 	keytable_prepare_write(kt);
+	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
 	push_wait_context(kt, &errcb);
 	result = delete_version(kt, &row->tid, wait);
 	error_context_stack = errcb.previous;
@@ -961,6 +1232,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	int64		n = 0;
 
 	keytable_prepare_write(kt);
+	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
 
 	nblocks = RelationGetNumberOfBlocks(kt->rel);
 	if (first >= nblocks)
@@ -1038,7 +1310,7 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	List	   *shards;
 	ListCell   *lc;
 
-	keytable_open(&kt, "idem_purge()", NULL, NULL);
+	keytable_open(&kt, "idem_purge()", NULL, NULL, keytable_write_lockmode());
 	if (likely(keys_distcol == 0))
 	{
 		n = purge_relation(&kt, now, limit, cursor, &pages, at_end);
@@ -1065,8 +1337,7 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 			purge_shardid = shard->shardid;
 		}
 		ExecDropSingleTupleTableSlot(kt.slot);
-		if (kt.pkey != NULL)
-			index_close(kt.pkey, NoLock);
+		close_indexes(&kt);
 		open_shard(&kt, shard->relid);
 		kt.slot = table_slot_create(kt.rel, NULL);
 		kt.writable = false;

@@ -35,13 +35,24 @@ typedef struct KeyRow
 	ItemPointerData tid;
 } KeyRow;
 
-/* An open idem.keys and its primary key, for one call. */
+/*
+ * Indexes a table of the right shape may have: the primary key and the
+ * copies of it that REINDEX CONCURRENTLY builds (and leaves behind when it
+ * is cancelled).
+ */
+#define IDEM_MAX_INDEXES	4
+
+/* An open idem.keys and its indexes, for one call. */
 typedef struct KeyTable
 {
 	Relation	rel;			/* idem.keys, or its shard holding the key */
-	Relation	pkey;
-	struct IndexInfo *pkey_info;	/* the primary key's, for inserts */
+	LOCKMODE	lockmode;		/* held on rel and its indexes */
+	Relation	pkey;			/* the primary key; indexes[0] */
 	bool		pkey_key_first; /* (key, scope) from 1.2 on, else (scope, key) */
+	int			nindexes;		/* the primary key, then copies ready for inserts */
+	Relation	indexes[IDEM_MAX_INDEXES];
+	struct IndexInfo *index_infos[IDEM_MAX_INDEXES];
+	bool		index_key_first[IDEM_MAX_INDEXES];
 	bool		distributed;	/* rel is a Citus shard */
 	bool		writable;		/* keytable_prepare_write done */
 	TupleTableSlot *slot;		/* the version last read */
@@ -64,6 +75,7 @@ typedef struct KeyWaiter
 	TransactionId xid;
 	uint32		spec_token;
 	ItemPointerData tid;
+	bool		deleting;		/* only deleting the key: no new version */
 } KeyWaiter;
 
 /* Outcome of keytable_update and keytable_delete. */
@@ -91,8 +103,9 @@ typedef struct KeyValues
 /* Pages one purge batch reads at most (8 MB with 8 kB pages). */
 #define IDEM_PURGE_BATCH_PAGES	1024
 
+extern LOCKMODE keytable_write_lockmode(void);
 extern void keytable_open(KeyTable *kt, const char *what, text *scope,
-						  text *key);
+						  text *key, LOCKMODE lockmode);
 extern void keytable_close(KeyTable *kt);
 extern void keytable_prepare_write(KeyTable *kt);
 extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
