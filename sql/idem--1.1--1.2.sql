@@ -112,7 +112,9 @@ REVOKE ALL ON FUNCTION @extschema@.idem_distributed_functions(),
  * alone) cannot have been granted by an administrator yet: reset them to
  * the owner alone as well.
  * Grants that administrators made on older functions and views stay
- * (README, "Security").
+ * (README, "Security").  A role's name is its regrole text, which is
+ * already quoted where it needs to be ("Reporting"): quoting it again
+ * would name another role, or none.
  */
 DO $$
 DECLARE
@@ -129,7 +131,7 @@ BEGIN
 				   ELSE pg_catalog.format('TABLE %s', d.objid::pg_catalog.regclass)
 			   END AS object,
 			   CASE WHEN a.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-					ELSE pg_catalog.quote_ident(a.grantee::pg_catalog.regrole::pg_catalog.text)
+					ELSE a.grantee::pg_catalog.regrole::pg_catalog.text
 			   END AS grantee
 		  FROM pg_catalog.pg_depend d
 		  JOIN pg_catalog.pg_extension e ON e.oid OPERATOR(pg_catalog.=) d.refobjid

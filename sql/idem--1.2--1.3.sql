@@ -37,7 +37,8 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
  * new objects (default privileges of the role running the update) is
  * revoked first.  Their initial privileges are then set to the owner's
  * alone, as CREATE EXTENSION records them, so that pg_dump dumps the
- * grants.
+ * grants.  A role's regrole text is already quoted where its name needs
+ * it, so it goes into the statements as it is.
  */
 DO $$
 DECLARE
@@ -87,7 +88,7 @@ BEGIN
 	LOOP
 		EXECUTE pg_catalog.format('REVOKE ALL ON %s FROM %s CASCADE', r.object,
 			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-				 ELSE pg_catalog.quote_ident(r.grantee::pg_catalog.regrole::pg_catalog.text) END);
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END);
 	END LOOP;
 	REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
 	REVOKE ALL ON @extschema@.idem_stats FROM PUBLIC;
@@ -102,7 +103,7 @@ BEGIN
 		CONTINUE WHEN r.grantee OPERATOR(pg_catalog.=) r.grantor;
 		EXECUTE pg_catalog.format('GRANT %s ON %s TO %s%s', r.privilege_type, r.object,
 			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
-				 ELSE pg_catalog.quote_ident(r.grantee::pg_catalog.regrole::pg_catalog.text) END,
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END,
 			CASE WHEN r.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
 	END LOOP;
 END

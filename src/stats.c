@@ -11,18 +11,27 @@
  * once per backend until a slot is freed).  The launcher frees the slots
  * of dropped databases (idem_stats_forget).
  *
+ * A database's last purge error is read from every database, so it is
+ * kept in one encoding, UTF-8: converted from the encoding of the database
+ * it was recorded in, and to that of the database that reads it, where
+ * what the reader's encoding cannot represent becomes '?'.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "catalog/namespace.h"
 #include "fmgr.h"
 #include "funcapi.h"
+#include "lib/stringinfo.h"
+#include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "port/atomics.h"
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
 #include "utils/builtins.h"
+#include "utils/memutils.h"
 #include "utils/timestamp.h"
 
 #include "stats.h"
@@ -46,7 +55,7 @@ typedef struct IdemDbStats
 	pg_atomic_uint64 counters[IDEM_STAT_NUM];
 	pg_atomic_uint64 start_failures;	/* purge workers that could not start */
 	TimestampTz last_purge;		/* 0: never; under lock */
-	char		last_error[IDEM_STATS_ERROR_LEN];	/* under lock */
+	char		last_error[IDEM_STATS_ERROR_LEN];	/* UTF-8; under lock */
 } IdemDbStats;
 
 typedef struct IdemStatsShared
@@ -66,6 +75,16 @@ static uint32 no_slot_frees = 0;
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+
+/*
+ * The conversions between this database's encoding and UTF-8, looked up
+ * once (the database's encoding is fixed for the life of a backend); NULL
+ * if there is none.
+ */
+static FmgrInfo *to_utf8_proc = NULL;
+static bool to_utf8_looked_up = false;
+static FmgrInfo *from_utf8_proc = NULL;
+static bool from_utf8_looked_up = false;
 
 /* Ask for the shared memory and the lock. */
 static void
@@ -199,6 +218,154 @@ my_slot(void)
 	return slot;
 }
 
+/*
+ * The default conversion function from one encoding to another, kept in
+ * TopMemoryContext; NULL if there is none.  Needs a transaction.
+ */
+static FmgrInfo *
+lookup_conversion(int src_encoding, int dest_encoding)
+{
+	Oid			proc = FindDefaultConversionProc(src_encoding, dest_encoding);
+	FmgrInfo   *finfo;
+
+	if (!OidIsValid(proc))
+		return NULL;
+	finfo = MemoryContextAlloc(TopMemoryContext, sizeof(FmgrInfo));
+	fmgr_info_cxt(proc, finfo, TopMemoryContext);
+	return finfo;
+}
+
+/*
+ * Look up the conversion of this database's encoding to UTF-8, which
+ * recording a purge error needs and cannot look up itself: it runs after
+ * the failed transaction has been aborted.  Call in a transaction once
+ * connected; without it, non-ASCII characters of errors are stored as '?'.
+ */
+void
+idem_stats_prepare_encoding(void)
+{
+	int			encoding = GetDatabaseEncoding();
+
+	if (to_utf8_looked_up)
+		return;
+	if (encoding != PG_UTF8 && encoding != PG_SQL_ASCII)
+		to_utf8_proc = lookup_conversion(encoding, PG_UTF8);
+	to_utf8_looked_up = true;
+}
+
+/*
+ * Append src, len bytes in src_encoding, to out in dest_encoding, through
+ * the conversion function proc, or without one if the two encodings are the
+ * same (then src is only checked) or none is known (then only ASCII
+ * passes).  Never fails: a character that dest_encoding cannot represent
+ * becomes '?', and so does each byte that is not valid in src_encoding.
+ */
+static void
+append_converted(StringInfo out, const char *src, int len,
+				 int src_encoding, int dest_encoding, FmgrInfo *proc)
+{
+	char	   *chunk = NULL;
+
+	if (proc != NULL)
+		chunk = palloc((Size) len * MAX_CONVERSION_GROWTH + 1);
+	while (len > 0)
+	{
+		int			done;
+		int			skip;
+
+		if (proc != NULL)
+		{
+			/* With noError, the number of bytes of src converted. */
+			done = DatumGetInt32(FunctionCall6(proc,
+											   Int32GetDatum(src_encoding),
+											   Int32GetDatum(dest_encoding),
+											   CStringGetDatum(src),
+											   CStringGetDatum(chunk),
+											   Int32GetDatum(len),
+											   BoolGetDatum(true)));
+			appendStringInfoString(out, chunk);
+		}
+		else
+		{
+			if (src_encoding == dest_encoding)
+				done = pg_encoding_verifymbstr(src_encoding, src, len);
+			else
+			{
+				for (done = 0; done < len; done++)
+				{
+					if (IS_HIGHBIT_SET(src[done]))
+						break;
+				}
+			}
+			appendBinaryStringInfo(out, src, done);
+		}
+		if (done >= len)
+			break;
+
+		/* One '?' for the character (or invalid byte) that stopped it. */
+		appendStringInfoChar(out, '?');
+		skip = pg_encoding_verifymbchar(src_encoding, src + done, len - done);
+		if (skip < 1)
+			skip = 1;
+		src += done + skip;
+		len -= done + skip;
+	}
+	if (chunk != NULL)
+		pfree(chunk);
+}
+
+/*
+ * Copy msg, in the current database's encoding, into buf (of
+ * IDEM_STATS_ERROR_LEN bytes) as UTF-8, cut at a character boundary if it
+ * is longer.  Outside a database (the launcher) the encoding is SQL_ASCII:
+ * bytes that are not ASCII, whose meaning is unknown, become '?', as they
+ * do from a SQL_ASCII database.
+ */
+static void
+error_to_utf8(const char *msg, char *buf)
+{
+	int			encoding = GetDatabaseEncoding();
+	int			len = strlen(msg);
+	FmgrInfo   *proc = NULL;
+	StringInfoData out;
+	int			clip;
+
+	/* Each character takes a byte at least in UTF-8: the rest cannot fit. */
+	len = Min(len, pg_encoding_mbcliplen(encoding, msg, len,
+										 IDEM_STATS_ERROR_LEN - 1));
+	if (encoding != PG_UTF8 && encoding != PG_SQL_ASCII)
+		proc = to_utf8_proc;
+	initStringInfo(&out);
+	append_converted(&out, msg, len, encoding, PG_UTF8, proc);
+	clip = pg_encoding_mbcliplen(PG_UTF8, out.data, out.len,
+								 IDEM_STATS_ERROR_LEN - 1);
+	memcpy(buf, out.data, clip);
+	buf[clip] = '\0';
+	pfree(out.data);
+}
+
+/*
+ * A stored error (UTF-8) as text in the current database's encoding, with
+ * '?' for what that encoding cannot represent.  A SQL_ASCII database gets
+ * the UTF-8 bytes.
+ */
+static Datum
+error_to_text(const char *error)
+{
+	int			encoding = GetDatabaseEncoding();
+	StringInfoData out;
+	Datum		result;
+
+	if (encoding == PG_UTF8 || encoding == PG_SQL_ASCII)
+		return CStringGetTextDatum(error);
+	initStringInfo(&out);
+	append_converted(&out, error, strlen(error), PG_UTF8, encoding,
+					 from_utf8_proc);
+	result = CStringGetTextDatum(out.data);
+	pfree(out.data);
+	return result;
+}
+
 /* Add n to a counter of the current database. */
 void
 idem_stats_add(IdemStat stat, uint64 n)
@@ -220,13 +387,15 @@ void
 idem_stats_purge_done(Oid dboid, const char *error)
 {
 	IdemDbStats *slot;
+	char		utf8[IDEM_STATS_ERROR_LEN];
 
 	if (stats == NULL || (slot = find_or_take_slot(dboid)) == NULL)
 		return;
+	error_to_utf8(error ? error : "", utf8);
 	pg_atomic_fetch_add_u64(&slot->counters[IDEM_STAT_PURGE_RUNS], 1);
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	slot->last_purge = GetCurrentTimestamp();
-	strlcpy(slot->last_error, error ? error : "", IDEM_STATS_ERROR_LEN);
+	strlcpy(slot->last_error, utf8, IDEM_STATS_ERROR_LEN);
 	LWLockRelease(stats->lock);
 }
 
@@ -238,11 +407,13 @@ void
 idem_stats_purge_skipped(Oid dboid, const char *reason)
 {
 	IdemDbStats *slot;
+	char		utf8[IDEM_STATS_ERROR_LEN];
 
 	if (stats == NULL || (slot = find_or_take_slot(dboid)) == NULL)
 		return;
+	error_to_utf8(reason, utf8);
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
-	strlcpy(slot->last_error, reason, IDEM_STATS_ERROR_LEN);
+	strlcpy(slot->last_error, utf8, IDEM_STATS_ERROR_LEN);
 	LWLockRelease(stats->lock);
 }
 
@@ -257,17 +428,19 @@ idem_stats_start_failed(Oid dboid, const char *reason)
 {
 	IdemDbStats *slot;
 	uint64		total;
+	char		utf8[IDEM_STATS_ERROR_LEN];
 
 	if (stats == NULL)
 		return 0;
 	total = pg_atomic_add_fetch_u64(&stats->start_failures, 1);
 	if ((slot = find_slot(dboid)) == NULL)
 		return total;
+	error_to_utf8(reason, utf8);
 	LWLockAcquire(stats->lock, LW_EXCLUSIVE);
 	if (pg_atomic_read_u32(&slot->dboid) == dboid)
 	{
 		pg_atomic_fetch_add_u64(&slot->start_failures, 1);
-		strlcpy(slot->last_error, reason, IDEM_STATS_ERROR_LEN);
+		strlcpy(slot->last_error, utf8, IDEM_STATS_ERROR_LEN);
 	}
 	LWLockRelease(stats->lock);
 	return total;
@@ -336,6 +509,7 @@ idem_stats(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	int			natts;
+	int			encoding = GetDatabaseEncoding();
 	int			i;
 
 	require_stats();
@@ -347,6 +521,13 @@ idem_stats(PG_FUNCTION_ARGS)
 				 errmsg("idem_stats() is declared with %d columns, expected %d or %d",
 						natts, IDEM_STATS_COLS, IDEM_STATS_MAX_COLS),
 				 errhint("Run ALTER EXTENSION idem UPDATE.")));
+
+	/* Errors are stored in UTF-8: look up their conversion before the lock. */
+	if (!from_utf8_looked_up && encoding != PG_UTF8 && encoding != PG_SQL_ASCII)
+	{
+		from_utf8_proc = lookup_conversion(PG_UTF8, encoding);
+		from_utf8_looked_up = true;
+	}
 
 	LWLockAcquire(stats->lock, LW_SHARED);
 	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
@@ -365,7 +546,7 @@ idem_stats(PG_FUNCTION_ARGS)
 			values[j + 1] = Int64GetDatum((int64) pg_atomic_read_u64(&slot->counters[j]));
 		values[IDEM_STAT_NUM + 1] = TimestampTzGetDatum(slot->last_purge);
 		nulls[IDEM_STAT_NUM + 1] = (slot->last_purge == 0);
-		values[IDEM_STAT_NUM + 2] = CStringGetTextDatum(slot->last_error);
+		values[IDEM_STAT_NUM + 2] = error_to_text(slot->last_error);
 		nulls[IDEM_STAT_NUM + 2] = (slot->last_error[0] == '\0');
 		values[IDEM_STAT_NUM + 3] =
 			Int64GetDatum((int64) pg_atomic_read_u64(&slot->start_failures));

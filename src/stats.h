@@ -29,6 +29,7 @@ typedef enum IdemStat
 
 extern void idem_stats_shmem_init(void);
 extern void idem_stats_add(IdemStat stat, uint64 n);
+extern void idem_stats_prepare_encoding(void);
 extern void idem_stats_purge_done(Oid dboid, const char *error);
 extern void idem_stats_purge_skipped(Oid dboid, const char *reason);
 extern uint64 idem_stats_start_failed(Oid dboid, const char *reason);

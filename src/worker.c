@@ -742,7 +742,11 @@ purge_batch(int batch_size)
 		return BATCH_NO_EXTENSION;
 	}
 	if (purge_batches == 0)
+	{
 		purge_report(VISIT_PURGING);
+		/* Errors are recorded after their transaction aborted. */
+		idem_stats_prepare_encoding();
+	}
 	PushActiveSnapshot(GetTransactionSnapshot());
 
 	pgstat_report_activity(STATE_RUNNING, "idem: deleting expired keys");
