@@ -254,6 +254,16 @@ SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v12_defs 
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) = :'v12_defs' AS same_as_fresh
   FROM ext_objects();
 
+-- The keys written through idem's direct heap path into the 1.0 and 1.2
+-- table shapes and after their updates each have their primary key entry
+-- (amcheck, with the heap check).
+\c regress_idem_v10
+CREATE EXTENSION amcheck;
+SELECT bt_index_check('idem.keys_pkey', true);
+\c regress_idem_v12
+CREATE EXTENSION amcheck;
+SELECT bt_index_check('idem.keys_pkey', true);
+
 \c :regress_db
 DROP DATABASE regress_idem_v12;
 DROP ROLE regress_idem_upgrade_ops;

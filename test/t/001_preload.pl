@@ -26,6 +26,9 @@ $node->safe_psql('postgres',
 is($node->safe_psql('postgres',
 		"SELECT in_flight, conflicts FROM idem_stats WHERE datname = 'postgres'"),
 	'1|1', 'counters count with preload');
+
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
 $node->stop;
 
 done_testing();

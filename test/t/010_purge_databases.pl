@@ -110,5 +110,8 @@ my @problems = grep { /\b(ERROR|FATAL|PANIC):|exited with exit code [1-9]/ }
 is(scalar(@problems), 0, 'no errors in the server log')
   or diag(join("\n", @problems));
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, $_) for qw(app1 app2 app3);
+
 $node->stop;
 done_testing();

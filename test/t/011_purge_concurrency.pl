@@ -122,6 +122,9 @@ is( $node->safe_psql('postgres',
 		  . " FROM idem_stats WHERE datname = 'postgres'"),
 	(2 * $rounds) . '|t', 'idem_stats counts every claim and the purged rows');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();
 

@@ -92,6 +92,9 @@ ok($node->poll_query_until('app_copy', 'SELECT count(*) FROM idem.keys', '0'),
 is( $node->safe_psql('app_copy',
 		"SELECT purged_rows FROM idem_stats WHERE datname = 'app_copy'"),
 	'180', 'the copy had the 180 keys left after one batch of 20');
+# app and its copy are dropped below: their keys' primary key entries are
+# checked now (amcheck).
+idem_amcheck($node, $_) for qw(app app_copy);
 
 ok(ddl_during_purge('app', 'ALTER DATABASE app RENAME TO app_renamed'),
 	'ALTER DATABASE ... RENAME succeeds during purge');
@@ -120,6 +123,9 @@ my @errors =
   grep { /\b(ERROR|PANIC):|being accessed by other users/ }
   split /\n/, slurp_file($node->logfile, $offset);
 is(scalar(@errors), 0, 'no errors in the server log') or diag(join("\n", @errors));
+
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'other');
 
 $node->stop;
 done_testing();

@@ -87,5 +87,8 @@ is( $node->safe_psql('postgres',
 	't|PROCESSING', 'and the key can be claimed again');
 ok(purged_again('third'), 'the launcher purges after the crash restart');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

@@ -100,5 +100,8 @@ is(count_keys('again'), '20', 'disabled again by reload: expired keys stay');
 is($node->safe_psql('postgres', $launcher_sql),
 	$launcher_pid, 'same launcher throughout: no restart');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

@@ -116,6 +116,11 @@ is( $standby->safe_psql('postgres',
 		"SELECT pid FROM pg_stat_activity WHERE backend_type = 'idem launcher'"),
 	$launcher, 'the launcher of the standby carried on after promotion');
 
+# Every key written has its primary key entry (amcheck): on the primary,
+# and on the promoted standby, which holds the replicated keys and its own.
+idem_amcheck($primary, 'postgres');
+idem_amcheck($standby, 'postgres');
+
 $standby->stop;
 $primary->stop;
 done_testing();

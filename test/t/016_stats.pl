@@ -127,5 +127,8 @@ is(stats("$counters, purged_rows, last_purge_error IS NULL"),
 	'0|0|0|0|0|0|0|0|0|t', 'postgres: counters reset');
 is(stats($counters, 'other'), '0|0|0|0|0|0|0|0', 'other: counters reset');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, $_) for qw(postgres other);
+
 $node->stop;
 done_testing();

@@ -198,5 +198,8 @@ note "cross-role releases: $cross tried, $refused refused with 42501";
 cmp_ok($cross, '>=', 10, "$cross releases tried with another role's token");
 is($stolen, '0', "no release with another role's token succeeded");
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

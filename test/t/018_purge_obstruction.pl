@@ -169,6 +169,9 @@ is($node->safe_psql('postgres', $launcher_sql),
 
 $_->quit for @sessions;
 @sessions = ();
+# Every key written has its primary key entry (amcheck), in the databases
+# with idem (trap, without it, is gone).
+idem_amcheck($node, $_) for qw(trap_idem locked app);
 $node->stop;
 
 # --- 4. Parallel queries of an unprivileged role take every background
@@ -232,5 +235,6 @@ ok($failures >= 1, "purge_start_failures stays after the purge ($failures)");
 
 eval { $_->quit } for @sessions;
 @sessions = ();
+idem_amcheck($small, 'postgres');
 $small->stop;
 done_testing();

@@ -81,5 +81,8 @@ is(scalar(@fatal), 0, 'no FATAL while databases were dropped under the launcher'
 
 $late->quit;
 @sessions = ();
+# Every key written (only the database late had keys) has its primary key
+# entry (amcheck).
+idem_amcheck($node, 'late');
 $node->stop;
 done_testing();

@@ -106,5 +106,8 @@ my ($txns) = slurp_file($node->logfile, $offset) =~
   /idem purge: deleted 3 expired keys from database "postgres" in (\d+) transaction/;
 cmp_ok($txns, '>=', $batches, "in $txns transactions, one per batch at least");
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

@@ -131,5 +131,8 @@ is( $node->safe_psql(
 	'complete-lost,heartbeat-lost,held,release-fault,superseded',
 	'keys left PROCESSING');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

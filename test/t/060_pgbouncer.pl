@@ -187,5 +187,8 @@ is($claims + $replays + $in_flight, 200, 'every begin answered once');
 is("$takeovers $conflicts $superseded", '0 0 0',
 	'no takeover, conflict or superseded token');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

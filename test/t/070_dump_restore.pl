@@ -211,5 +211,9 @@ is(sql('dst10', $rows_sql),
 	'dst10: the restored rows are the live source rows, byte for byte');
 check_restored('src10', 'dst10', $last_token10, %tok10);
 
+# Every key written, and every key restored by pg_restore, has its primary
+# key entry (amcheck).
+idem_amcheck($node, $_) for qw(src dst dst_roles src10 dst10);
+
 $node->stop;
 done_testing();

@@ -215,6 +215,11 @@ is( $sub->safe_psql('postgres',
 		"SELECT claimed, state, status, encode(body, 'escape') FROM idem_begin('pre-done', 'f')"),
 	'f|DONE|201|\\000\\377', 'the initially copied response still replays');
 
+# Every key written has its primary key entry (amcheck): on the publisher,
+# and on the former subscriber, which holds the replicated keys and its own.
+idem_amcheck($pub, 'postgres');
+idem_amcheck($sub, 'postgres');
+
 $sub->stop;
 $pub->stop;
 done_testing();

@@ -166,5 +166,8 @@ my $next = sql("SELECT claimed, state, token > $t_gone FROM idem_begin('p-gone',
 is($next, 't|PROCESSING|t', 'after ROLLBACK PREPARED the next claim gets the key');
 is(sql('SELECT count(*) FROM pg_prepared_xacts'), '0', 'no prepared transaction left');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

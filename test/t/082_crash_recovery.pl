@@ -255,5 +255,8 @@ is(sql("SELECT claimed, token > $max FROM idem_begin('after-recovery', 'f')"),
 	't|t', 'a new claim after recovery gets a token above every recovered one');
 is(row_of('c-done'), $done_row, 'the first committed response is still intact');
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, 'postgres');
+
 $node->stop;
 done_testing();

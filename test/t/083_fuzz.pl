@@ -443,5 +443,8 @@ WHERE length(fingerprint) <> 32 OR key = '' OR octet_length(key) > 1024
 		'DONE|2147483647|t', "$db: the 1 MB control response replays");
 }
 
+# Every key written has its primary key entry (amcheck).
+idem_amcheck($node, $_) for @dbs;
+
 $node->stop;
 done_testing();

@@ -11,6 +11,7 @@ use warnings;
 use PostgreSQL::Test::Cluster;
 use PostgreSQL::Test::Utils;
 use IPC::Run;
+use IdemTest;
 use Test::More;
 
 my $sharedir = `pg_config --sharedir`;
@@ -409,6 +410,28 @@ COMMIT;
 			  . ": $tps tps, latency $lat, 8 clients, ${secs}s");
 	}
 }
+
+# Every key written has its primary key entry (amcheck): the coordinator's
+# own idem.keys (idem_amcheck also creates amcheck there, which Citus
+# propagates to the workers), and each shard of idem.keys on the worker
+# that holds it, through run_command_on_shards (%s is the shard's name).
+sub amcheck_shards
+{
+	my ($db) = @_;
+	idem_amcheck($coord, $db);
+	my ($shards, $checked, $failed) = split /\|/, $coord->safe_psql($db, q{
+SELECT count(*), count(*) FILTER (WHERE success AND result LIKE '%keys_pkey%'),
+       string_agg(shardid || ': ' || result, E'\n') FILTER (WHERE NOT success)
+  FROM run_command_on_shards('idem.keys', $cmd$
+SELECT string_agg(i.indexrelid::regclass || bt_index_check(i.indexrelid::regclass, true)::text, ',')
+  FROM pg_index i WHERE i.indrelid = '%s'::regclass AND i.indisprimary$cmd$)});
+	ok($shards > 0 && $checked == $shards,
+		"$db: amcheck finds every row of each of the $shards shards of idem.keys in its primary key index")
+	  or diag("$shards shards, $checked checked:\n" . ($failed // q{}));
+	return;
+}
+amcheck_shards($_) for qw(postgres tenants);
+idem_amcheck($coord, 'single') if $ENV{IDEM_CITUS_BENCH};
 
 $coord->stop;
 $w1->stop;
