@@ -333,12 +333,27 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		KeyProbe	probe;
 
 		CHECK_FOR_INTERRUPTS();
-		if (keytable_read(kt, &row, args->result_cxt) &&
-			decide(args, &row, res))
-			return;
+		if (IsolationUsesXactSnapshot())
+		{
+			/* What the transaction's snapshot shows, then what is there now. */
+			if (keytable_read(kt, &row, args->result_cxt) &&
+				decide(args, &row, res))
+				return;
+			probe = keytable_probe(kt, &waiter);
+			if ((probe == PROBE_COMMITTED &&
+				 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
+				(probe == PROBE_NONE && row.found))
+				changed_since_snapshot(kt->key, probe == PROBE_NONE);
+		}
+		else
+		{
+			/* One look shows the committed row and who is changing it. */
+			probe = keytable_look(kt, &row, &waiter, args->result_cxt);
+			if (row.found && decide(args, &row, res))
+				return;
+		}
 
 		/* The key is free, its window or its lease over: look before writing. */
-		probe = keytable_probe(kt, &waiter);
 		if (probe == PROBE_IN_PROGRESS &&
 			!TransactionIdIsCurrentTransactionId(waiter.xid))
 		{
@@ -363,16 +378,6 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 				may_wait = false;
 			continue;
 		}
-		if ((probe == PROBE_COMMITTED &&
-			 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
-			(probe == PROBE_NONE && row.found))
-		{
-			/* Claimed or purged after this snapshot was taken. */
-			if (IsolationUsesXactSnapshot())
-				changed_since_snapshot(kt->key, probe == PROBE_NONE);
-			continue;			/* READ COMMITTED: read it again */
-		}
-
 		if (!row.found)
 		{
 			/* A new key: insert it, unless another inserter came first. */

@@ -820,6 +820,72 @@ keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 }
 
 /*
+ * Read the key as it is now, for a claim in READ COMMITTED: one look with
+ * a dirty snapshot finds the latest committed version of its row (or this
+ * transaction's own), left in *row, and whether another transaction is
+ * inserting, changing or deleting the key, as keytable_probe reports it.
+ * Such a transaction's new version is not in *row: until it commits, the
+ * committed version is what callers answer from, as a new snapshot would
+ * show it.  Without snapshot: no SSI predicate locks, which READ
+ * COMMITTED does not take anyway.
+ */
+KeyProbe
+keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
+			  MemoryContext body_cxt)
+{
+	SnapshotData snap;
+	ScanKeyData skey[2];
+	IndexScanDesc scan;
+	KeyProbe	result = PROBE_NONE;
+
+	row->found = false;
+	InitDirtySnapshot(snap);
+	set_scan_keys(kt, skey);
+	scan = idem_index_beginscan(kt->rel, kt->pkey, &snap, 2, 0);
+	index_rescan(scan, skey, 2, NULL, 0);
+	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
+	{
+		if (TransactionIdIsValid(snap.xmin))
+		{
+			/* Another transaction's new version: wait for it, if anything. */
+			if (result != PROBE_IN_PROGRESS || waiter->deleting)
+			{
+				waiter->xid = snap.xmin;
+				waiter->spec_token = snap.speculativeToken;
+				waiter->tid = kt->slot->tts_tid;
+				waiter->deleting = false;
+			}
+			result = PROBE_IN_PROGRESS;
+			if (row->found)
+				break;
+			continue;			/* the committed version may come next */
+		}
+		set_row(row, kt->slot, body_cxt);
+		if (unlikely(kt->distributed))
+			shard_token_floor = Max(shard_token_floor, row->token);
+		if (TransactionIdIsValid(snap.xmax))
+		{
+			/* Being changed or deleted: is there a new version too? */
+			if (result != PROBE_IN_PROGRESS)
+			{
+				waiter->xid = snap.xmax;
+				waiter->spec_token = 0;
+				waiter->tid = row->tid;
+				waiter->deleting = true;
+			}
+			result = PROBE_IN_PROGRESS;
+			continue;
+		}
+		/* Nobody is changing it: no other live version can exist. */
+		if (result != PROBE_IN_PROGRESS)
+			result = PROBE_COMMITTED;
+		break;
+	}
+	index_endscan(scan);
+	return result;
+}
+
+/*
  * Wait for the transaction a probe found inserting or deleting the key.
  * A version still being inserted speculatively is waited for only until
  * its insertion is confirmed or undone, which happens before its

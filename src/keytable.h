@@ -110,6 +110,8 @@ extern void keytable_close(KeyTable *kt);
 extern void keytable_prepare_write(KeyTable *kt);
 extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
 extern KeyProbe keytable_probe(KeyTable *kt, KeyWaiter *waiter);
+extern KeyProbe keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
+							  MemoryContext body_cxt);
 extern bool keytable_wait(KeyTable *kt, KeyWaiter *waiter);
 extern bool keytable_insert(KeyTable *kt, KeyValues *kv);
 extern bool keytable_read_for_write(KeyTable *kt, KeyRow *row,
