@@ -206,7 +206,7 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 	kv->has_lease = true;
 	kv->lease_until = args->lease_until;
 	kv->expires_at = expires_at;
-	kv->claimed_by = GetUserId();
+	keytable_current_claimant(&kv->claimed_by);
 }
 
 /*
@@ -522,15 +522,19 @@ typedef enum Holder
  * the claim (current_user then), a member of it, or a superuser.  Raises
  * the error that explains a refusal, checking who holds the key before
  * what it holds, so that a caller without the claim learns nothing of the
- * stored request.  Returns HOLDER_DONE for a completed row of the
- * same holder, which the caller accepts or refuses, and HOLDER_NONE
- * instead of an error for a missing or expired key if missing_ok.
+ * stored request, and never naming the key's current token.  Returns
+ * HOLDER_DONE for a completed row of the same holder, which the caller
+ * accepts or refuses, and HOLDER_NONE instead of an error for a missing
+ * or expired key if missing_ok.  extend: the holder wants to extend the
+ * lease.
  */
 static Holder
 check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
-			 bytea *fingerprint, TimestampTz now, bool missing_ok)
+			 bytea *fingerprint, TimestampTz now, bool missing_ok, bool extend)
 {
 	int64		token;
+	bool		outside;
+	bool		unbound;
 
 	if ((!row->found || row->expires_at <= now) && missing_ok)
 		return HOLDER_NONE;
@@ -554,32 +558,51 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 	}
 	else
 		token = PG_GETARG_INT64(argno);
-	if (token < row->token)
+	/*
+	 * A claim made before the update to 1.3 is bound to no role.  Outside
+	 * its claiming transaction, a wrong token for it does not tell whether
+	 * the right one is smaller or greater (which would let any role find
+	 * it in a few calls), and only a superuser may extend it, so that it
+	 * ends with its lease.
+	 */
+	outside = !PG_ARGISNULL(argno) && !holds_claim(row);
+	unbound = outside && !row->claimed_by.bound &&
+		RelationGetDescr(kt->rel)->natts >= Anum_keys_claimed_by;
+	if (token < row->token && !unbound)
 	{
 		idem_stats_count(IDEM_STAT_SUPERSEDED);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
 				 errmsg("idempotency key \"%s\" is held by a newer claim",
 						idem_key_for_message(kt->key)),
-				 errdetail("Token %lld was superseded by token %lld: the key was taken over "
+				 errdetail("Token %lld was superseded: the key was taken over "
 						   "after the lease ran out, or released and claimed again.",
-						   (long long) token, (long long) row->token)));
+						   (long long) token)));
 	}
-	if (token > row->token)
+	if (token != row->token)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" has no claim with token %lld",
 						idem_key_for_message(kt->key), (long long) token),
-				 errdetail("The key's current token is %lld; token %lld was never issued for this key.",
-						   (long long) row->token, (long long) token)));
-	if (OidIsValid(row->claimed_by) && !PG_ARGISNULL(argno) &&
-		!holds_claim(row) && !has_privs_of_role(GetUserId(), row->claimed_by))
+				 unbound ?
+				 errdetail("Token %lld is not the token of the key's current claim.",
+						   (long long) token) :
+				 errdetail("Token %lld was never issued for this key.",
+						   (long long) token)));
+	if (outside &&
+		(row->claimed_by.bound ?
+		 !has_privs_of_role(GetUserId(), keytable_claimant_role(&row->claimed_by)) :
+		 unbound && extend && !superuser()))
 		ereport(ERROR,
 				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 				 errmsg("permission denied for idempotency key \"%s\"",
 						idem_key_for_message(kt->key)),
-				 errdetail("Its claim was made by another role."),
-				 errhint("Only the role that made a claim, its members and superusers can complete, release or extend it.")));
+				 row->claimed_by.bound ?
+				 errdetail("Its claim was made by another role.") :
+				 errdetail("Its claim was made before idem 1.3 and is bound to no role."),
+				 row->claimed_by.bound ?
+				 errhint("Only the role that made a claim, its members and superusers can complete, release or extend it.") :
+				 errhint("Only superusers can extend it; complete or release it, or let its lease end.")));
 	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
@@ -682,7 +705,7 @@ idem_complete(PG_FUNCTION_ARGS)
 			too_many_rounds(key);
 		keytable_read_for_write(&kt, &row, CurrentMemoryContext);
 		if (check_holder(fcinfo, 4, &kt, &row, fingerprint, now,
-						 false) == HOLDER_DONE)
+						 false, false) == HOLDER_DONE)
 		{
 			if (row.status != status || !same_body(body, row.body))
 				already_completed(key, true);
@@ -730,7 +753,7 @@ idem_release(PG_FUNCTION_ARGS)
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
 			too_many_rounds(key);
 		keytable_read_for_write(&kt, &row, NULL);
-		switch (check_holder(fcinfo, 1, &kt, &row, NULL, now, true))
+		switch (check_holder(fcinfo, 1, &kt, &row, NULL, now, true, false))
 		{
 			case HOLDER_NONE:
 				break;
@@ -777,7 +800,7 @@ idem_extend(PG_FUNCTION_ARGS)
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
 			too_many_rounds(key);
 		keytable_read_for_write(&kt, &row, NULL);
-		if (check_holder(fcinfo, 1, &kt, &row, NULL, now, false) == HOLDER_DONE)
+		if (check_holder(fcinfo, 1, &kt, &row, NULL, now, false, true) == HOLDER_DONE)
 			already_completed(key, false);
 		row_values(&kv, &row, NULL);
 		if (row.has_lease && row.lease_until > until)

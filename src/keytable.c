@@ -72,6 +72,7 @@
 #include "storage/bufmgr.h"
 #include "storage/lmgr.h"
 #include "storage/procarray.h"
+#include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
 #include "utils/hsearch.h"
@@ -87,8 +88,8 @@
 
 /*
  * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
- * to 1.3 adds claimed_by (an oid) and the update to 1.4 makes it a
- * regrole.
+ * to 1.3 adds claimed_by (a role's OID) and the update to 1.4 makes it the
+ * role's name.
  */
 static const struct
 {
@@ -105,7 +106,7 @@ static const struct
 	{"body", BYTEAOID, BYTEAOID, false},
 	{"lease_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
 	{"expires_at", TIMESTAMPTZOID, TIMESTAMPTZOID, true},
-	{"claimed_by", REGROLEOID, OIDOID, false},
+	{"claimed_by", TEXTOID, OIDOID, false},
 };
 
 /* Identity of the table, cached until an invalidation touches it. */
@@ -686,7 +687,18 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 	row->expires_at = DatumGetTimestampTz(values[Anum_keys_expires_at - 1]);
 	if (slot->tts_tupleDescriptor->natts >= Anum_keys_claimed_by &&
 		!nulls[Anum_keys_claimed_by - 1])
-		row->claimed_by = DatumGetObjectId(values[Anum_keys_claimed_by - 1]);
+	{
+		Datum		claimant = values[Anum_keys_claimed_by - 1];
+
+		row->claimed_by.bound = true;
+		if (TupleDescAttr(slot->tts_tupleDescriptor,
+						  Anum_keys_claimed_by - 1)->atttypid == TEXTOID)
+			text_to_cstring_buffer(DatumGetTextPP(claimant),
+								   NameStr(row->claimed_by.rolename),
+								   NAMEDATALEN);
+		else
+			row->claimed_by.roleid = DatumGetObjectId(claimant);
+	}
 	{
 		bool		should_free;
 		HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
@@ -931,6 +943,7 @@ fetch_version(KeyTable *kt, ItemPointer tid)
 static HeapTuple
 form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 {
+	TupleDesc	desc = RelationGetDescr(kt->rel);
 	Datum		values[Natts_keys];
 	bool		nulls[Natts_keys];
 
@@ -957,9 +970,19 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 	nulls[Anum_keys_lease_until - 1] = !kv->has_lease;
 	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(kv->expires_at);
 	/* Left out by heap_form_tuple from a table without the column. */
-	values[Anum_keys_claimed_by - 1] = ObjectIdGetDatum(kv->claimed_by);
-	nulls[Anum_keys_claimed_by - 1] = !OidIsValid(kv->claimed_by);
-	return heap_form_tuple(RelationGetDescr(kt->rel), values, nulls);
+	nulls[Anum_keys_claimed_by - 1] = !kv->claimed_by.bound;
+	if (kv->claimed_by.bound && desc->natts >= Anum_keys_claimed_by)
+	{
+		if (TupleDescAttr(desc, Anum_keys_claimed_by - 1)->atttypid == TEXTOID)
+			values[Anum_keys_claimed_by - 1] =
+				CStringGetTextDatum(NameStr(kv->claimed_by.rolename));
+		else
+			values[Anum_keys_claimed_by - 1] =
+				ObjectIdGetDatum(OidIsValid(kv->claimed_by.roleid) ?
+								 kv->claimed_by.roleid :
+								 keytable_claimant_role(&kv->claimed_by));
+	}
+	return heap_form_tuple(desc, values, nulls);
 }
 
 /*
@@ -1016,6 +1039,57 @@ keytable_next_token(void)
 	if (shape_checked != keys_inval_count + 1)
 		check_token_seq();
 	return nextval_internal(token_seq_relid, false);
+}
+
+/* The current user's name, cached until a role is renamed or dropped. */
+static Oid	current_roleid = InvalidOid;
+static NameData current_rolename;
+
+/* Forget the cached name of the current user after ALTER or DROP ROLE. */
+static void
+roles_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
+{
+	current_roleid = InvalidOid;
+}
+
+/* A claimant for a claim the current user makes. */
+void
+keytable_current_claimant(KeyClaimant *claimant)
+{
+	static bool callback_registered = false;
+	Oid			roleid = GetUserId();
+
+	if (roleid != current_roleid)
+	{
+		char	   *name = GetUserNameFromId(roleid, false);
+
+		if (!callback_registered)
+		{
+			CacheRegisterSyscacheCallback(AUTHOID, roles_syscache_callback,
+										  (Datum) 0);
+			callback_registered = true;
+		}
+		namestrcpy(&current_rolename, name);
+		pfree(name);
+		current_roleid = roleid;
+	}
+	claimant->bound = true;
+	claimant->roleid = roleid;
+	claimant->rolename = current_rolename;
+}
+
+/*
+ * The role a claimant stands for, InvalidOid if it no longer exists (a
+ * role dropped, or renamed, since it made the claim).
+ */
+Oid
+keytable_claimant_role(KeyClaimant *claimant)
+{
+	if (OidIsValid(claimant->roleid))
+		return claimant->roleid;
+	if (NameStr(claimant->rolename)[0] == '\0')
+		return InvalidOid;
+	return get_role_oid(NameStr(claimant->rolename), true);
 }
 
 /*

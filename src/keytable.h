@@ -17,6 +17,19 @@
 
 #include "idem.h"
 
+/*
+ * The role that made a claim, as idem.keys stores it: by name from 1.4 on
+ * (an empty name stands for a role dropped before the update to 1.4), by
+ * OID in 1.3, not at all before (claims made before 1.3 are bound to no
+ * role).
+ */
+typedef struct KeyClaimant
+{
+	bool		bound;			/* the claim is bound to a role */
+	Oid			roleid;			/* as stored in a 1.3 table, else InvalidOid */
+	NameData	rolename;		/* as stored from 1.4 on */
+} KeyClaimant;
+
 /* One version of a key's row, as read. */
 typedef struct KeyRow
 {
@@ -30,7 +43,7 @@ typedef struct KeyRow
 	bool		has_lease;
 	TimestampTz lease_until;
 	TimestampTz expires_at;
-	Oid			claimed_by;		/* role that made the claim; InvalidOid if none */
+	KeyClaimant claimed_by;		/* the role that made the claim */
 	TransactionId xmin;
 	ItemPointerData tid;
 } KeyRow;
@@ -97,7 +110,7 @@ typedef struct KeyValues
 	bool		has_lease;
 	TimestampTz lease_until;
 	TimestampTz expires_at;
-	Oid			claimed_by;		/* InvalidOid for none */
+	KeyClaimant claimed_by;
 } KeyValues;
 
 /* Pages one purge batch reads at most (8 MB with 8 kB pages). */
@@ -120,6 +133,8 @@ extern KeyWrite keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv,
 								bool wait);
 extern KeyWrite keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
 extern int64 keytable_next_token(void);
+extern void keytable_current_claimant(KeyClaimant *claimant);
+extern Oid	keytable_claimant_role(KeyClaimant *claimant);
 extern int64 keytable_purge_batch(TimestampTz now, int limit,
 								  ItemPointer cursor, bool *at_end);
 extern char *idem_key_for_message(text *key);

@@ -58,7 +58,7 @@ ROLLBACK;
 -- claimed_by cannot be dropped or retyped (the extension and the
 -- idem_keys view depend on it), and a changed one is refused.
 SELECT try($$ALTER TABLE idem.keys DROP COLUMN claimed_by$$);
-SELECT try($$ALTER TABLE idem.keys ALTER COLUMN claimed_by TYPE bigint$$);
+SELECT try($$ALTER TABLE idem.keys ALTER COLUMN claimed_by TYPE varchar$$);
 BEGIN;
 ALTER TABLE idem.keys ALTER COLUMN claimed_by SET NOT NULL;
 SELECT try($$SELECT idem_extend('st-held', $$ || :tok || $$, '5 minutes')$$);

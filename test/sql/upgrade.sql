@@ -254,6 +254,71 @@ SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v12_defs 
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) = :'v12_defs' AS same_as_fresh
   FROM ext_objects();
 
+-- An update from 1.3: a claim names the role that made it instead of its
+-- OID, also a role whose name needs quoting; a claim of a role dropped
+-- before the update names none, so only a superuser can act on it.  A
+-- claim made before 1.3 is bound to no role: a wrong token for it gets
+-- ID003 whether it is smaller or greater than the right one, only a
+-- superuser may extend it, and its token still completes it.
+\c :regress_db
+CREATE DATABASE regress_idem_v13 TEMPLATE regress_idem_tpl;
+CREATE ROLE regress_idem_gone;
+CREATE ROLE "Regress Idem Quoted";
+\c regress_idem_v13
+CREATE EXTENSION idem VERSION '1.2';
+SELECT token AS tok_unbound FROM idem_begin('u-unbound', 'fp', lease => '10 minutes') \gset
+ALTER EXTENSION idem UPDATE TO '1.3';
+GRANT EXECUTE ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_complete(text, text, integer, bytea, bigint, interval, text),
+  idem_release(text, bigint, text), idem_extend(text, bigint, interval, text)
+  TO regress_idem_gone, "Regress Idem Quoted", regress_idem_upgrade_app;
+SET ROLE regress_idem_gone;
+SELECT token AS tok_gone FROM idem_begin('u-gone', 'fp', lease => '10 minutes') \gset
+SET ROLE "Regress Idem Quoted";
+SELECT token AS tok_quoted FROM idem_begin('u-quoted', 'fp', lease => '10 minutes') \gset
+RESET ROLE;
+REVOKE ALL ON FUNCTION
+  idem_begin(text, text, interval, interval, text, boolean),
+  idem_complete(text, text, integer, bytea, bigint, interval, text),
+  idem_release(text, bigint, text), idem_extend(text, bigint, interval, text)
+  FROM regress_idem_gone;
+DROP ROLE regress_idem_gone;
+SELECT rows_digest() AS rows13 \gset
+ALTER EXTENSION idem UPDATE TO '1.4';
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+SELECT rows_digest() = :'rows13' AS rows_unchanged;
+SELECT k.key, quote_nullable(k.claimed_by) AS stored, v.claimed_by AS shown
+  FROM idem.keys k JOIN idem_keys v USING (scope, key) ORDER BY key;
+SET ROLE "Regress Idem Quoted";
+SELECT idem_extend('u-quoted', :tok_quoted, '20 minutes') IS NOT NULL AS quoted_role_extends;
+RESET ROLE;
+SET ROLE regress_idem_upgrade_app;
+SELECT try(format($$SELECT idem_complete('u-quoted', 'fp', 200, 'x', %s)$$, :tok_quoted));
+SELECT try(format($$SELECT idem_complete('u-gone', 'fp', 200, 'x', %s)$$, :tok_gone));
+SELECT try(format($$SELECT idem_release('u-unbound', %s)$$, :tok_unbound - 1));
+SELECT try(format($$SELECT idem_release('u-unbound', %s)$$, :tok_unbound + 1));
+SELECT try(format($$SELECT idem_extend('u-unbound', %s, '1 hour')$$, :tok_unbound));
+SELECT idem_complete('u-unbound', 'fp', 200, 'done', :tok_unbound) IS NOT NULL AS unbound_claim_completed;
+RESET ROLE;
+SELECT idem_release('u-gone', :tok_gone) AS superuser_releases_gone;
+-- New claims name their role.
+SET ROLE regress_idem_upgrade_app;
+SELECT claimed FROM idem_begin('u14', 'fp');
+RESET ROLE;
+SELECT claimed_by FROM idem.keys WHERE key = 'u14';
+-- The same objects as a fresh install, grants aside.
+SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v13_defs FROM ext_objects() \gset
+\c regress_idem_v11
+SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) = :'v13_defs' AS same_as_fresh
+  FROM ext_objects();
+\c regress_idem_v13
+CREATE EXTENSION amcheck;
+SELECT bt_index_check('idem.keys_pkey', true);
+\c :regress_db
+DROP DATABASE regress_idem_v13;
+DROP ROLE "Regress Idem Quoted";
+
 -- The keys written through idem's direct heap path into the 1.0 and 1.2
 -- table shapes and after their updates each have their primary key entry
 -- (amcheck, with the heap check).

@@ -197,6 +197,56 @@ like($err, qr/permission denied for idempotency key "app-flight"/,
 is(sql('dst_roles', "SET ROLE app; SELECT idem_complete('app-flight', 'fp', 200, 'paid', $app_tok) IS NOT NULL"),
 	't', 'dst_roles: app completes its claim');
 
+# The same dump restored into another cluster whose roles were created in
+# the other order, so that each has the other's OID there: the claim
+# stays app's, because it names its role.
+my $node2 = idem_node('dump2', conf => qq{
+idem.purge_enabled = off
+}, extension => []);
+$node2->safe_psql('postgres', 'CREATE ROLE filler; CREATE ROLE other; CREATE ROLE app; CREATE DATABASE dst_roles');
+is($node2->safe_psql('postgres', q{
+	SELECT (SELECT oid FROM pg_roles WHERE rolname = 'app') <> }
+	  . sql('postgres', "SELECT oid FROM pg_roles WHERE rolname = 'app'")),
+	't', 'cluster 2: app has another OID than in cluster 1');
+$node2->command_checks_all([ 'pg_restore', '-d', 'dst_roles', "$tmp/src.dump" ],
+	0, [qr/^$/], [qr/^$/], 'cluster 2: pg_restore without errors');
+is($node2->safe_psql('dst_roles', "SELECT claimed_by FROM idem_keys WHERE key = 'app-flight'"),
+	'app', 'cluster 2: the claim is app\'s');
+($ret, $out, $err) = $node2->psql('dst_roles',
+	"SET ROLE other; SELECT idem_complete('app-flight', 'fp', 200, 'forged', $app_tok)");
+like($err, qr/permission denied for idempotency key "app-flight"/,
+	'cluster 2: another role with the token is refused');
+is($node2->safe_psql('dst_roles', "SET ROLE app; SELECT idem_complete('app-flight', 'fp', 200, 'paid', $app_tok) IS NOT NULL"),
+	't', 'cluster 2: app completes its claim');
+idem_amcheck($node2, 'dst_roles');
+$node2->stop;
+
+# A role dropped while it holds a claim: a role created later with the
+# dropped role's OID (here by setting the OID counter back with
+# pg_resetwal, as its wraparound would) does not get the claim; a
+# superuser can still release it.
+sql('postgres', 'CREATE ROLE doomed');
+sql('src', "GRANT EXECUTE ON FUNCTION $app_functions TO doomed");
+my $doomed_oid = sql('postgres', "SELECT oid FROM pg_roles WHERE rolname = 'doomed'");
+my $doomed_tok = sql('src',
+	"SET ROLE doomed; SELECT token FROM idem_begin('doomed-flight', 'fp', lease => '10 minutes')");
+sql('src', "REVOKE EXECUTE ON FUNCTION $app_functions FROM doomed");
+sql('postgres', 'DROP ROLE doomed');
+$node->stop;
+$node->command_ok([ 'pg_resetwal', '-o', $doomed_oid, $node->data_dir ],
+	'pg_resetwal sets the OID counter back to the dropped role\'s OID');
+$node->start;
+sql('postgres', 'CREATE ROLE heir');
+is(sql('postgres', "SELECT oid FROM pg_roles WHERE rolname = 'heir'"),
+	$doomed_oid, 'the new role has the dropped role\'s OID');
+sql('src', "GRANT EXECUTE ON FUNCTION $app_functions TO heir");
+($ret, $out, $err) = $node->psql('src',
+	"SET ROLE heir; SELECT idem_complete('doomed-flight', 'fp', 200, 'stolen', $doomed_tok)");
+like($err, qr/permission denied for idempotency key "doomed-flight"/,
+	'the role with the dropped role\'s OID is refused');
+is(sql('src', "SELECT idem_release('doomed-flight', $doomed_tok)"),
+	't', 'a superuser releases the dropped role\'s claim');
+
 # A database created at 1.0, with keys and a grant, then updated.
 sql('postgres', 'CREATE DATABASE src10');
 sql('src10', "CREATE EXTENSION idem VERSION '1.0'; GRANT EXECUTE ON FUNCTION $app_functions TO app");
