@@ -4,29 +4,10 @@ const {
   IdemError, UnavailableError, TimeoutError, TokenSupersededError, NoClaimError,
   AlreadyCompletedError, toIdemError, isDatabaseError,
 } = require('./errors');
-const { Store, toBuffer, intervalParam } = require('./store');
-
-/** What happened to a request, as in the reference guard. */
-const Outcome = Object.freeze({
-  EXECUTED: 'executed', // the handler ran under a claim
-  REPLAYED: 'replayed', // the stored response was returned
-  IN_FLIGHT: 'in_flight', // another caller holds a live claim
-  CONFLICT: 'conflict', // the key was used with another fingerprint
-  UNAVAILABLE: 'unavailable', // no claim could be made: the handler did not run
-});
-
-const DEFAULTS = Object.freeze({
-  schema: 'public',
-  scope: '',
-  lease: null, // ms or interval text; null: idem.default_lease
-  retention: null, // ms or interval text; null: idem.default_retention
-  wait: true,
-  timeout: 10000, // ms per server call, enforced by the server; 0: none
-  keepClaimOnError: false,
-  heartbeat: false, // true: extend every lease/3; a number: every that many ms
-  clockOffset: 0, // seconds (tests, superuser): SET LOCAL idem.clock_offset
-  fault: null, // (op) => truthy to make that server call fail
-});
+const { Store } = require('./store');
+const { DEFAULTS, normalizeOptions, clockOffsetOf } = require('./options');
+const { Outcome, normalizeResponse } = require('./outcome');
+const { transaction } = require('./transaction');
 
 /** Extra time the client gives the server to report its own timeout. */
 const CLIENT_GRACE_MS = 1000;
@@ -34,27 +15,6 @@ const CLIENT_GRACE_MS = 1000;
 const CONNECTION_CHECK_MS = 1000;
 /** Heartbeat period when the lease is the server default (60 s) or text. */
 const DEFAULT_HEARTBEAT_MS = 20000;
-
-function normalizeOptions(options) {
-  const o = { ...DEFAULTS };
-  for (const [k, v] of Object.entries(options || {})) if (v !== undefined) o[k] = v;
-  if (!Number.isFinite(o.timeout) || o.timeout < 0) throw new TypeError('timeout must be a number of milliseconds >= 0');
-  o.timeout = Math.round(o.timeout);
-  if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
-  intervalParam(o.lease, 'lease');
-  intervalParam(o.retention, 'retention');
-  if (typeof o.clockOffset !== 'function') clockOffsetOf(o);
-  if (o.fault != null && typeof o.fault !== 'function') throw new TypeError('fault must be a function');
-  if (typeof o.heartbeat === 'number' && !(o.heartbeat > 0)) throw new TypeError('heartbeat must be true, false or a period in ms');
-  return o;
-}
-
-function clockOffsetOf(o) {
-  const v = typeof o.clockOffset === 'function' ? o.clockOffset() : o.clockOffset;
-  if (v == null) return 0;
-  if (!Number.isInteger(v)) throw new TypeError('clockOffset must be an integer number of seconds');
-  return v;
-}
 
 /** Make a call fail if the fault hook says so (as if the server did not answer). */
 function fireFault(o, op) {
@@ -106,13 +66,6 @@ function connectionGone(err) {
   const db = isDatabaseError(err) ? err : (err && isDatabaseError(err.cause) ? err.cause : null);
   if (db == null) return true;
   return db.code.startsWith('08') || db.code.startsWith('57P');
-}
-
-function normalizeResponse(value) {
-  if (value == null || typeof value !== 'object' || !Number.isInteger(value.status)) {
-    throw new TypeError('the handler must return { status: integer, body?: Buffer | string }');
-  }
-  return { status: value.status, body: toBuffer(value.body ?? null) };
 }
 
 function isClaimGone(err) {
@@ -332,12 +285,12 @@ class Guard {
 
   /** The one-transaction helper with this guard's options; see transaction(). */
   transaction(client, key, fingerprint, handler, overrides) {
-    // Required lazily: transaction.js needs this module's helpers.
-    const { transaction } = require('./transaction');
     return transaction(client, key, fingerprint, handler, { ...this.options, ...(overrides || {}) });
   }
 }
 
+// The helpers of options.js and outcome.js stay reachable from here too, as
+// they were before they had modules of their own.
 module.exports = {
   Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS,
 };

@@ -2,7 +2,8 @@
 
 const { IdemError, toIdemError } = require('./errors');
 const { Store } = require('./store');
-const { Outcome, normalizeOptions, normalizeResponse, clockOffsetOf } = require('./guard');
+const { normalizeOptions, clockOffsetOf } = require('./options');
+const { Outcome, normalizeResponse } = require('./outcome');
 
 /**
  * The one-transaction pattern on the caller's client: BEGIN, claim the
