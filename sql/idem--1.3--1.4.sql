@@ -40,3 +40,22 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 		   (SELECT r.oid FROM pg_catalog.pg_roles r
 			 WHERE r.rolname OPERATOR(pg_catalog.=) k.claimed_by)::pg_catalog.regrole AS claimed_by
 	  FROM idem.keys k;
+
+/*
+ * idem_stats() is bound to the C function of its own result type, as
+ * pg_stat_statements binds one per API version; the symbol idem_stats
+ * stays for databases not yet updated.  The same signature and result
+ * type: the function keeps its privileges.
+ */
+CREATE OR REPLACE FUNCTION @extschema@.idem_stats(
+	OUT dbid pg_catalog.oid, OUT claims pg_catalog.int8,
+	OUT takeovers pg_catalog.int8, OUT replays pg_catalog.int8,
+	OUT in_flight pg_catalog.int8, OUT conflicts pg_catalog.int8,
+	OUT completes pg_catalog.int8, OUT superseded pg_catalog.int8,
+	OUT releases pg_catalog.int8, OUT purged_rows pg_catalog.int8,
+	OUT purge_runs pg_catalog.int8, OUT last_purge pg_catalog.timestamptz,
+	OUT last_purge_error pg_catalog.text,
+	OUT purge_start_failures pg_catalog.int8)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_stats_1_3'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;

@@ -8,7 +8,7 @@
  * When idem_distribute() has made idem.keys a hash-distributed Citus table
  * (by key or by scope), the rows live in shards, tables named
  * idem.keys_<shardid> on the workers, and the functions are delegated to
- * the node that holds the key's shard.  There keytable.c acts on that
+ * the node that holds the key's shard.  There keyrel.c acts on that
  * shard instead of the (empty) distributed table.  The resolution uses
  * Citus's own metadata and functions, looked up by name so that idem
  * neither links against Citus nor needs it:
@@ -27,7 +27,7 @@
  *
  * Whether the table is distributed is decided once per invalidation of
  * idem.keys (Citus invalidates the table's relcache entry when it
- * distributes or undistributes it), together with keytable.c's shape
+ * distributes or undistributes it), together with keyrel.c's shape
  * check: on a server without Citus the cost per call is nil.
  *
  *-------------------------------------------------------------------------
@@ -55,9 +55,9 @@
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
 
+#include "args.h"
 #include "citus.h"
 #include "idem.h"
-#include "keytable.h"
 
 /*
  * Citus's cluster_clock: milliseconds since the Unix epoch (the node's
@@ -460,7 +460,7 @@ idem_citus_local_shards(Relation rel)
  * (citus_get_node_clock()) as one number, milliseconds since 2000 shifted
  * past the 22-bit counter.  It grows with every call on a node, also
  * across restarts (Citus persists the clock), and it is ordered across
- * nodes by their wall clocks; keytable.c keeps a takeover's token above
+ * nodes by their wall clocks; keyrel.c keeps a takeover's token above
  * the key's last one too.
  */
 int64

@@ -1,8 +1,9 @@
 /*-------------------------------------------------------------------------
  *
  * idem.h
- *	  Shared declarations of the idem extension: settings, SQLSTATEs and
- *	  the entry points each source file offers the others.
+ *	  Definitions every module of the idem extension shares: its own
+ *	  SQLSTATEs and the columns of idem.keys.  Each module declares its
+ *	  functions in a header of its own.
  *
  *-------------------------------------------------------------------------
  */
@@ -43,32 +44,5 @@
 
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32
-
-/* Settings (idem.c) */
-extern int	idem_default_lease;
-extern int	idem_default_retention;
-extern int	idem_max_retention;
-extern int	idem_max_key_length;
-extern int	idem_max_body_size;
-extern int	idem_clock_offset;
-extern int	idem_purge_batch_size;
-extern int	idem_purge_naptime;
-extern bool idem_purge_enabled;
-
-/* idem.c */
-extern TimestampTz idem_now(void);
-extern TimestampTz idem_add_interval(TimestampTz ts, Interval *span);
-extern TimestampTz idem_window_end(TimestampTz now, Interval *span,
-								   int default_secs, const char *argname);
-extern text *idem_arg_text(FunctionCallInfo fcinfo, int argno,
-						   const char *argname);
-extern void idem_check_key(text *key, const char *argname,
-						   bool allow_empty);
-
-/* sha256.c */
-extern void idem_sha256(const uint8 *data, size_t len, uint8 *out);
-
-/* purge.c */
-extern int64 idem_purge_batch(TimestampTz now, int limit, bool *pass_done);
 
 #endif							/* IDEM_H */

@@ -6,7 +6,7 @@
  * It shows the stored state, the token, the status, the times and the
  * size of the response body, never the body itself.  EXECUTE on
  * idem_lookup is what lets a role inspect keys (PUBLIC has none); the row
- * is read through keytable.c like every other access to idem.keys.
+ * is read through keytable.h like every other access to idem.keys.
  *
  *-------------------------------------------------------------------------
  */
@@ -17,6 +17,7 @@
 #include "utils/builtins.h"
 #include "utils/tuplestore.h"
 
+#include "args.h"
 #include "idem.h"
 #include "keytable.h"
 
@@ -37,8 +38,8 @@ idem_lookup(PG_FUNCTION_ARGS)
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
-	keytable_open(&kt, "idem_lookup()", scope, key, AccessShareLock);
-	if (keytable_read(&kt, &row, NULL))
+	idem_keytable_open(&kt, "idem_lookup()", scope, key, AccessShareLock);
+	if (idem_keytable_read(&kt, &row, NULL))
 	{
 		Datum		values[6];
 		bool		nulls[6];
@@ -56,7 +57,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc,
 							 values, nulls);
 	}
-	keytable_close(&kt);
+	idem_keytable_close(&kt);
 
 	return (Datum) 0;
 }

@@ -17,9 +17,11 @@
  * read, as UPDATE does (waiting for a transaction that is changing it).
  * If that version changed meanwhile, nothing is written and the claimer
  * decides again from the new one, so a waiter that ends up not claiming
- * holds no lock.  complete, release and extend check the holder on the
- * version read (its token and, outside the claiming transaction, its
- * role) and write that version the same way.  A call waits at
+ * holds no lock.  complete, release and extend share one loop,
+ * write_held_row: they check the holder on the version read (its token
+ * and, outside the claiming transaction, its role, by check_holder, which
+ * works on the decoded arguments of a HeldCall) and write that version the
+ * same way.  A call waits at
  * most once (for the transaction that held the key, bounded by
  * lock_timeout); if the key is busy again after that, it answers in
  * flight.
@@ -38,8 +40,11 @@
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
 
+#include "args.h"
 #include "idem.h"
 #include "keytable.h"
+#include "settings.h"
+#include "sha256.h"
 #include "stats.h"
 
 PG_FUNCTION_INFO_V1(idem_begin);
@@ -206,7 +211,7 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 	kv->has_lease = true;
 	kv->lease_until = args->lease_until;
 	kv->expires_at = expires_at;
-	keytable_current_claimant(&kv->claimed_by);
+	idem_keytable_current_claimant(&kv->claimed_by);
 }
 
 /*
@@ -264,11 +269,10 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 	KeyValues	kv;
 	KeyWrite	written;
 
-	keytable_prepare_write(kt);
 	claim_values(&kv, args, takeover ?
 				 Max(row->expires_at, args->lease_until) : args->expires_at);
-	kv.token = keytable_next_token();
-	written = keytable_update(kt, row, &kv, wait);
+	kv.token = IDEM_NEW_TOKEN;
+	written = idem_keytable_update(kt, row, &kv, wait);
 	if (written == KEYWRITE_OK)
 	{
 		set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
@@ -336,10 +340,10 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		if (IsolationUsesXactSnapshot())
 		{
 			/* What the transaction's snapshot shows, then what is there now. */
-			if (keytable_read(kt, &row, args->result_cxt) &&
+			if (idem_keytable_read(kt, &row, args->result_cxt) &&
 				decide(args, &row, res))
 				return;
-			probe = keytable_probe(kt, &waiter);
+			probe = idem_keytable_probe(kt, &waiter);
 			if ((probe == PROBE_COMMITTED &&
 				 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
 				(probe == PROBE_NONE && row.found))
@@ -348,7 +352,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		else
 		{
 			/* One look shows the committed row and who is changing it. */
-			probe = keytable_look(kt, &row, &waiter, args->result_cxt);
+			probe = idem_keytable_look(kt, &row, &waiter, args->result_cxt);
 			if (row.found && decide(args, &row, res))
 				return;
 		}
@@ -374,7 +378,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 			 * Waiting for a speculative insertion to finish is not the wait
 			 * for its transaction, which may still hold the key.
 			 */
-			if (keytable_wait(kt, &waiter) && !purge)
+			if (idem_keytable_wait(kt, &waiter) && !purge)
 				may_wait = false;
 			continue;
 		}
@@ -382,7 +386,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		{
 			/* A new key: insert it, unless another inserter came first. */
 			claim_values(&kv, args, args->expires_at);
-			if (keytable_insert(kt, &kv))
+			if (idem_keytable_insert(kt, &kv))
 			{
 				set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
 				idem_stats_count(IDEM_STAT_CLAIMS);
@@ -469,9 +473,9 @@ idem_begin(PG_FUNCTION_ARGS)
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(&res, 0, sizeof(res));
-	keytable_open(&kt, "idem_begin()", scope, key, keytable_write_lockmode());
+	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
 	claim_key(&kt, &args, &res);
-	keytable_close(&kt);
+	idem_keytable_close(&kt);
 
 	memset(nulls, true, sizeof(nulls));
 	values[0] = BoolGetDatum(res.claimed);
@@ -507,16 +511,42 @@ idem_begin(PG_FUNCTION_ARGS)
 	return (Datum) 0;
 }
 
+/* The writes a claim's holder makes. */
+typedef enum HeldOp
+{
+	HELD_COMPLETE,
+	HELD_RELEASE,
+	HELD_EXTEND
+} HeldOp;
+
+/* A call of idem_complete, idem_release or idem_extend, its arguments checked. */
+typedef struct HeldCall
+{
+	HeldOp		op;
+	const char *what;			/* the SQL function, for error messages */
+	text	   *key;
+	text	   *scope;
+	bool		has_token;		/* false: the claim this transaction made */
+	int64		token;
+	TimestampTz now;
+	bytea	   *fingerprint;	/* complete: the request's digest */
+	int32		status;			/* complete: the response */
+	bytea	   *body;
+	bool		has_expiry;		/* complete: a new window was asked for */
+	TimestampTz expires_at;
+	TimestampTz lease_until;	/* extend: the lease asked for */
+} HeldCall;
+
 typedef enum Holder
 {
-	HOLDER_NONE,				/* no live row (missing_ok only) */
+	HOLDER_NONE,				/* no live row (release only) */
 	HOLDER_WRITE,				/* the holder may write the row */
 	HOLDER_DONE					/* the row is completed already */
 } Holder;
 
 /*
- * Check that the holder of the token argument at argno may write the key's
- * row as read; a NULL token stands for the claim this transaction made.
+ * The holder rules: may the caller of hc write the key's row as read?  A
+ * call without a token stands for the claim this transaction made.
  * Outside the claiming transaction the token is not proof enough, since
  * tokens are sequence numbers: the caller must also be the role that made
  * the claim (current_user then), a member of it, or a superuser.  Raises
@@ -524,40 +554,42 @@ typedef enum Holder
  * what it holds, so that a caller without the claim learns nothing of the
  * stored request, and never naming the key's current token.  Returns
  * HOLDER_DONE for a completed row of the same holder, which the caller
- * accepts or refuses, and HOLDER_NONE instead of an error for a missing
- * or expired key if missing_ok.  extend: the holder wants to extend the
- * lease.
+ * accepts or refuses, and HOLDER_NONE instead of an error for a missing or
+ * expired key to be released.  binds_roles: the table stores who made a
+ * claim (1.3 on).
  */
 static Holder
-check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
-			 bytea *fingerprint, TimestampTz now, bool missing_ok, bool extend)
+check_holder(const HeldCall *hc, KeyRow *row, bool binds_roles)
 {
 	int64		token;
 	bool		outside;
 	bool		unbound;
 
-	if ((!row->found || row->expires_at <= now) && missing_ok)
-		return HOLDER_NONE;
-	if (!row->found || row->expires_at <= now)
+	if (!row->found || row->expires_at <= hc->now)
+	{
+		if (hc->op == HELD_RELEASE)
+			return HOLDER_NONE;
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" has no live claim",
-						idem_key_for_message(kt->key)),
+						idem_key_for_message(hc->key)),
 				 errdetail("The key does not exist or its retention window is over."),
 				 errhint("Claim it again with idem_begin.")));
-	if (PG_ARGISNULL(argno))
+	}
+	if (!hc->has_token)
 	{
 		if (!holds_claim(row) && !(row->done &&
 								   TransactionIdIsCurrentTransactionId(row->xmin)))
 			ereport(ERROR,
 					(errcode(ERRCODE_IDEM_NO_CLAIM),
 					 errmsg("idempotency key \"%s\" is not claimed by this transaction",
-							idem_key_for_message(kt->key)),
+							idem_key_for_message(hc->key)),
 					 errhint("Pass the token idem_begin returned.")));
 		token = row->token;
 	}
 	else
-		token = PG_GETARG_INT64(argno);
+		token = hc->token;
+
 	/*
 	 * A claim made before the update to 1.3 is bound to no role.  Outside
 	 * its claiming transaction, a wrong token for it does not tell whether
@@ -565,16 +597,15 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 	 * it in a few calls), and only a superuser may extend it, so that it
 	 * ends with its lease.
 	 */
-	outside = !PG_ARGISNULL(argno) && !holds_claim(row);
-	unbound = outside && !row->claimed_by.bound &&
-		RelationGetDescr(kt->rel)->natts >= Anum_keys_claimed_by;
+	outside = hc->has_token && !holds_claim(row);
+	unbound = outside && !row->claimed_by.bound && binds_roles;
 	if (token < row->token && !unbound)
 	{
 		idem_stats_count(IDEM_STAT_SUPERSEDED);
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
 				 errmsg("idempotency key \"%s\" is held by a newer claim",
-						idem_key_for_message(kt->key)),
+						idem_key_for_message(hc->key)),
 				 errdetail("Token %lld was superseded: the key was taken over "
 						   "after the lease ran out, or released and claimed again.",
 						   (long long) token)));
@@ -583,7 +614,7 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" has no claim with token %lld",
-						idem_key_for_message(kt->key), (long long) token),
+						idem_key_for_message(hc->key), (long long) token),
 				 unbound ?
 				 errdetail("Token %lld is not the token of the key's current claim.",
 						   (long long) token) :
@@ -591,23 +622,23 @@ check_holder(FunctionCallInfo fcinfo, int argno, KeyTable *kt, KeyRow *row,
 						   (long long) token)));
 	if (outside &&
 		(row->claimed_by.bound ?
-		 !has_privs_of_role(GetUserId(), keytable_claimant_role(&row->claimed_by)) :
-		 unbound && extend && !superuser()))
+		 !has_privs_of_role(GetUserId(), idem_keytable_claimant_role(&row->claimed_by)) :
+		 unbound && hc->op == HELD_EXTEND && !superuser()))
 		ereport(ERROR,
 				(errcode(ERRCODE_INSUFFICIENT_PRIVILEGE),
 				 errmsg("permission denied for idempotency key \"%s\"",
-						idem_key_for_message(kt->key)),
+						idem_key_for_message(hc->key)),
 				 row->claimed_by.bound ?
 				 errdetail("Its claim was made by another role.") :
 				 errdetail("Its claim was made before idem 1.3 and is bound to no role."),
 				 row->claimed_by.bound ?
 				 errhint("Only the role that made a claim, its members and superusers can complete, release or extend it.") :
 				 errhint("Only superusers can extend it; complete or release it, or let its lease end.")));
-	if (fingerprint != NULL && !same_fingerprint(row, fingerprint))
+	if (hc->fingerprint != NULL && !same_fingerprint(row, hc->fingerprint))
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_FINGERPRINT_CONFLICT),
 				 errmsg("idempotency key \"%s\" was claimed with a different fingerprint",
-						idem_key_for_message(kt->key))));
+						idem_key_for_message(hc->key))));
 	return row->done ? HOLDER_DONE : HOLDER_WRITE;
 }
 
@@ -636,10 +667,17 @@ same_body(bytea *a, bytea *b)
 		memcmp(VARDATA_ANY(a), VARDATA_ANY(b), VARSIZE_ANY_EXHDR(a)) == 0;
 }
 
-/* The values of the row as read, to change and write back. */
+/*
+ * The row as read, changed as hc asks: a completion stores the response
+ * (and keeps the claim's window unless a new one was asked for), an
+ * extension makes the lease last at least as long as asked (never
+ * shorter) and the window at least as long as the lease.
+ */
 static void
-row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
+held_values(const HeldCall *hc, KeyRow *row, KeyValues *kv)
 {
+	bytea	   *fingerprint = hc->fingerprint;
+
 	if (fingerprint == NULL)
 	{
 		fingerprint = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
@@ -655,6 +693,99 @@ row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
 	kv->lease_until = row->lease_until;
 	kv->expires_at = row->expires_at;
 	kv->claimed_by = row->claimed_by;
+	kv->claimant_as_stored = true;
+	if (hc->op == HELD_COMPLETE)
+	{
+		kv->done = true;
+		kv->status = hc->status;
+		kv->body = hc->body;
+		kv->has_lease = false;
+		if (hc->has_expiry)
+			kv->expires_at = hc->expires_at;
+	}
+	else if (hc->op == HELD_EXTEND)
+	{
+		kv->has_lease = true;
+		kv->lease_until = (row->has_lease && row->lease_until > hc->lease_until) ?
+			row->lease_until : hc->lease_until;
+		kv->expires_at = Max(row->expires_at, kv->lease_until);
+	}
+}
+
+/*
+ * Make the write hc asks of the key's holder: read the row for the
+ * write, check the holder, and write exactly the version read, as UPDATE
+ * and DELETE do, reading again if it changed meanwhile.  Returns false if
+ * a release found no live row.  *kv is left with the values written (done
+ * only if a completion was stored now), or, for a repeated completion,
+ * the stored expires_at.
+ */
+static bool
+write_held_row(const HeldCall *hc, KeyValues *kv)
+{
+	KeyTable	kt;
+	KeyRow		row;
+	bool		written = false;
+	int			round;
+
+	memset(kv, 0, sizeof(KeyValues));
+	idem_keytable_open(&kt, hc->what, hc->scope, hc->key,
+					   idem_keytable_write_lockmode());
+	for (round = 0;; round++)
+	{
+		KeyWrite	result;
+
+		if (round == IDEM_MAX_CLAIM_ROUNDS)
+			too_many_rounds(hc->key);
+		idem_keytable_read_for_write(&kt, &row, hc->op == HELD_COMPLETE ?
+									 CurrentMemoryContext : NULL);
+		switch (check_holder(hc, &row,
+							 RelationGetDescr(kt.rel)->natts >= Anum_keys_claimed_by))
+		{
+			case HOLDER_NONE:
+				break;
+			case HOLDER_DONE:
+				/* Only a repeat of the stored response is accepted. */
+				if (hc->op != HELD_COMPLETE)
+					already_completed(hc->key, false);
+				if (row.status != hc->status || !same_body(hc->body, row.body))
+					already_completed(hc->key, true);
+				kv->expires_at = row.expires_at;
+				written = true;
+				break;
+			case HOLDER_WRITE:
+				if (hc->op == HELD_RELEASE)
+					result = idem_keytable_delete(&kt, &row, true);
+				else
+				{
+					held_values(hc, &row, kv);
+					result = idem_keytable_update(&kt, &row, kv, true);
+				}
+				if (result != KEYWRITE_OK)
+					continue;	/* changed since it was read */
+				written = true;
+				break;
+		}
+		break;
+	}
+	idem_keytable_close(&kt);
+	return written;
+}
+
+/* The key, scope and token arguments of a holder's call. */
+static void
+held_call_init(HeldCall *hc, HeldOp op, const char *what,
+			   FunctionCallInfo fcinfo, int tokenarg, int scopearg)
+{
+	memset(hc, 0, sizeof(HeldCall));
+	hc->op = op;
+	hc->what = what;
+	hc->key = key_arg(fcinfo, 0);
+	hc->scope = scope_arg(fcinfo, scopearg);
+	hc->has_token = !PG_ARGISNULL(tokenarg);
+	if (hc->has_token)
+		hc->token = PG_GETARG_INT64(tokenarg);
+	hc->now = idem_now();
 }
 
 /*
@@ -665,71 +796,39 @@ row_values(KeyValues *kv, KeyRow *row, bytea *fingerprint)
 Datum
 idem_complete(PG_FUNCTION_ARGS)
 {
-	text	   *key = key_arg(fcinfo, 0);
-	bytea	   *fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
-	bytea	   *body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
-	text	   *scope = scope_arg(fcinfo, 6);
-	Interval   *retention = interval_arg(fcinfo, 5);
-	int32		status;
-	TimestampTz now;
-	TimestampTz expires_at = 0;
-	KeyTable	kt;
-	KeyRow		row;
-	int			round;
+	HeldCall	hc;
+	KeyValues	kv;
+	Interval   *retention;
 
+	held_call_init(&hc, HELD_COMPLETE, "idem_complete()", fcinfo, 4, 6);
+	hc.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
+	hc.body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
 	if (PG_ARGISNULL(2))
 		ereport(ERROR,
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("status must not be null")));
-	status = PG_GETARG_INT32(2);
-	if (status < 0)
+	hc.status = PG_GETARG_INT32(2);
+	if (hc.status < 0)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("status must not be negative")));
-	if (body != NULL && VARSIZE_ANY_EXHDR(body) > (Size) idem_max_body_size)
+	if (hc.body != NULL && VARSIZE_ANY_EXHDR(hc.body) > (Size) idem_max_body_size)
 		ereport(ERROR,
 				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
 				 errmsg("body is too large"),
 				 errdetail("It is %zu bytes; idem.max_body_size is %d.",
-						   (size_t) VARSIZE_ANY_EXHDR(body), idem_max_body_size)));
-	now = idem_now();
+						   (size_t) VARSIZE_ANY_EXHDR(hc.body), idem_max_body_size)));
+	retention = interval_arg(fcinfo, 5);
 	if (retention != NULL)
-		expires_at = idem_window_end(now, retention, 0, "retention");
-
-	keytable_open(&kt, "idem_complete()", scope, key, keytable_write_lockmode());
-	for (round = 0;; round++)
 	{
-		KeyValues	kv;
-
-		if (round == IDEM_MAX_CLAIM_ROUNDS)
-			too_many_rounds(key);
-		keytable_read_for_write(&kt, &row, CurrentMemoryContext);
-		if (check_holder(fcinfo, 4, &kt, &row, fingerprint, now,
-						 false, false) == HOLDER_DONE)
-		{
-			if (row.status != status || !same_body(body, row.body))
-				already_completed(key, true);
-			expires_at = row.expires_at;	/* a repeat of the stored response */
-			break;
-		}
-		row_values(&kv, &row, fingerprint);
-		kv.done = true;
-		kv.status = status;
-		kv.body = body;
-		kv.has_lease = false;
-		if (retention != NULL)
-			kv.expires_at = expires_at;
-		if (keytable_update(&kt, &row, &kv, true) == KEYWRITE_OK)
-		{
-			expires_at = kv.expires_at;
-			idem_stats_count(IDEM_STAT_COMPLETES);
-			break;
-		}
-		/* Changed since it was read: read it again and check again. */
+		hc.has_expiry = true;
+		hc.expires_at = idem_window_end(hc.now, retention, 0, "retention");
 	}
-	keytable_close(&kt);
 
-	PG_RETURN_TIMESTAMPTZ(expires_at);
+	write_held_row(&hc, &kv);
+	if (kv.done)
+		idem_stats_count(IDEM_STAT_COMPLETES);
+	PG_RETURN_TIMESTAMPTZ(kv.expires_at);
 }
 
 /*
@@ -739,38 +838,14 @@ idem_complete(PG_FUNCTION_ARGS)
 Datum
 idem_release(PG_FUNCTION_ARGS)
 {
-	text	   *key = key_arg(fcinfo, 0);
-	text	   *scope = scope_arg(fcinfo, 2);
-	TimestampTz now = idem_now();
-	KeyTable	kt;
-	KeyRow		row;
-	bool		released = false;
-	int			round;
+	HeldCall	hc;
+	KeyValues	kv;
+	bool		released;
 
-	keytable_open(&kt, "idem_release()", scope, key, keytable_write_lockmode());
-	for (round = 0;; round++)
-	{
-		if (round == IDEM_MAX_CLAIM_ROUNDS)
-			too_many_rounds(key);
-		keytable_read_for_write(&kt, &row, NULL);
-		switch (check_holder(fcinfo, 1, &kt, &row, NULL, now, true, false))
-		{
-			case HOLDER_NONE:
-				break;
-			case HOLDER_DONE:
-				already_completed(key, false);
-				break;
-			case HOLDER_WRITE:
-				if (keytable_delete(&kt, &row, true) != KEYWRITE_OK)
-					continue;	/* changed since it was read */
-				idem_stats_count(IDEM_STAT_RELEASES);
-				released = true;
-				break;
-		}
-		break;
-	}
-	keytable_close(&kt);
-
+	held_call_init(&hc, HELD_RELEASE, "idem_release()", fcinfo, 1, 2);
+	released = write_held_row(&hc, &kv);
+	if (released)
+		idem_stats_count(IDEM_STAT_RELEASES);
 	PG_RETURN_BOOL(released);
 }
 
@@ -782,39 +857,12 @@ idem_release(PG_FUNCTION_ARGS)
 Datum
 idem_extend(PG_FUNCTION_ARGS)
 {
-	text	   *key = key_arg(fcinfo, 0);
-	text	   *scope = scope_arg(fcinfo, 3);
-	TimestampTz now = idem_now();
-	TimestampTz lease_until = idem_window_end(now, interval_arg(fcinfo, 2),
-											  idem_default_lease, "lease");
-	KeyTable	kt;
-	KeyRow		row;
+	HeldCall	hc;
 	KeyValues	kv;
-	int			round;
 
-	keytable_open(&kt, "idem_extend()", scope, key, keytable_write_lockmode());
-	for (round = 0;; round++)
-	{
-		TimestampTz until = lease_until;
-
-		if (round == IDEM_MAX_CLAIM_ROUNDS)
-			too_many_rounds(key);
-		keytable_read_for_write(&kt, &row, NULL);
-		if (check_holder(fcinfo, 1, &kt, &row, NULL, now, false, true) == HOLDER_DONE)
-			already_completed(key, false);
-		row_values(&kv, &row, NULL);
-		if (row.has_lease && row.lease_until > until)
-			until = row.lease_until;
-		kv.has_lease = true;
-		kv.lease_until = until;
-		kv.expires_at = Max(row.expires_at, until);
-		if (keytable_update(&kt, &row, &kv, true) == KEYWRITE_OK)
-		{
-			lease_until = until;
-			break;
-		}
-	}
-	keytable_close(&kt);
-
-	PG_RETURN_TIMESTAMPTZ(lease_until);
+	held_call_init(&hc, HELD_EXTEND, "idem_extend()", fcinfo, 1, 3);
+	hc.lease_until = idem_window_end(hc.now, interval_arg(fcinfo, 2),
+									 idem_default_lease, "lease");
+	write_held_row(&hc, &kv);
+	PG_RETURN_TIMESTAMPTZ(kv.lease_until);
 }

@@ -1,7 +1,10 @@
 /*-------------------------------------------------------------------------
  *
  * keytable.h
- *	  The storage of idempotency keys: every read and write of idem.keys.
+ *	  The storage of idempotency keys: every read and write of idem.keys,
+ *	  the only way the rest of idem touches the table.  The relation is
+ *	  opened, locked and checked in keyrel.c, its rows are read and
+ *	  written in keyrows.c.
  *
  *-------------------------------------------------------------------------
  */
@@ -67,6 +70,7 @@ typedef struct KeyTable
 	struct IndexInfo *index_infos[IDEM_MAX_INDEXES];
 	bool		index_key_first[IDEM_MAX_INDEXES];
 	bool		distributed;	/* rel is a Citus shard */
+	int64		token_floor;	/* distributed: greatest token read from it */
 	bool		writable;		/* keytable_prepare_write done */
 	TupleTableSlot *slot;		/* the version last read */
 	const char *what;			/* the SQL function, for error messages */
@@ -99,7 +103,13 @@ typedef enum KeyWrite
 	KEYWRITE_BUSY				/* no wait: another transaction is changing it */
 } KeyWrite;
 
-/* The columns of a new or changed row. */
+/*
+ * The columns of a new or changed row.  An update with token
+ * IDEM_NEW_TOKEN gives the row a new token, drawn once the write is sure
+ * to be tried.
+ */
+#define IDEM_NEW_TOKEN	0
+
 typedef struct KeyValues
 {
 	bytea	   *fingerprint;
@@ -111,32 +121,34 @@ typedef struct KeyValues
 	TimestampTz lease_until;
 	TimestampTz expires_at;
 	KeyClaimant claimed_by;
+	bool		claimant_as_stored; /* an update keeps the stored claimed_by */
 } KeyValues;
 
 /* Pages one purge batch reads at most (8 MB with 8 kB pages). */
 #define IDEM_PURGE_BATCH_PAGES	1024
 
-extern LOCKMODE keytable_write_lockmode(void);
-extern void keytable_open(KeyTable *kt, const char *what, text *scope,
-						  text *key, LOCKMODE lockmode);
-extern void keytable_close(KeyTable *kt);
-extern void keytable_prepare_write(KeyTable *kt);
-extern bool keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt);
-extern KeyProbe keytable_probe(KeyTable *kt, KeyWaiter *waiter);
-extern KeyProbe keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
-							  MemoryContext body_cxt);
-extern bool keytable_wait(KeyTable *kt, KeyWaiter *waiter);
-extern bool keytable_insert(KeyTable *kt, KeyValues *kv);
-extern bool keytable_read_for_write(KeyTable *kt, KeyRow *row,
-									MemoryContext body_cxt);
-extern KeyWrite keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv,
-								bool wait);
-extern KeyWrite keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
-extern int64 keytable_next_token(void);
-extern void keytable_current_claimant(KeyClaimant *claimant);
-extern Oid	keytable_claimant_role(KeyClaimant *claimant);
-extern int64 keytable_purge_batch(TimestampTz now, int limit,
-								  ItemPointer cursor, bool *at_end);
-extern char *idem_key_for_message(text *key);
+/* The relation (keyrel.c) */
+extern LOCKMODE idem_keytable_write_lockmode(void);
+extern void idem_keytable_open(KeyTable *kt, const char *what, text *scope,
+							   text *key, LOCKMODE lockmode);
+extern void idem_keytable_close(KeyTable *kt);
+
+/* The rows (keyrows.c) */
+extern bool idem_keytable_read(KeyTable *kt, KeyRow *row,
+							   MemoryContext body_cxt);
+extern KeyProbe idem_keytable_probe(KeyTable *kt, KeyWaiter *waiter);
+extern KeyProbe idem_keytable_look(KeyTable *kt, KeyRow *row,
+								   KeyWaiter *waiter, MemoryContext body_cxt);
+extern bool idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter);
+extern bool idem_keytable_insert(KeyTable *kt, KeyValues *kv);
+extern bool idem_keytable_read_for_write(KeyTable *kt, KeyRow *row,
+										 MemoryContext body_cxt);
+extern KeyWrite idem_keytable_update(KeyTable *kt, KeyRow *row,
+									 KeyValues *kv, bool wait);
+extern KeyWrite idem_keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
+extern void idem_keytable_current_claimant(KeyClaimant *claimant);
+extern Oid	idem_keytable_claimant_role(KeyClaimant *claimant);
+extern int64 idem_keytable_purge_batch(TimestampTz now, int limit,
+									   ItemPointer cursor, bool *at_end);
 
 #endif							/* IDEM_KEYTABLE_H */

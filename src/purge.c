@@ -22,8 +22,9 @@
 #include "fmgr.h"
 #include "storage/itemptr.h"
 
-#include "idem.h"
 #include "keytable.h"
+#include "purge.h"
+#include "settings.h"
 #include "stats.h"
 
 PG_FUNCTION_INFO_V1(idem_purge);
@@ -41,7 +42,7 @@ int64
 idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
 {
 	bool		at_end;
-	int64		n = keytable_purge_batch(now, limit, &purge_cursor, &at_end);
+	int64		n = idem_keytable_purge_batch(now, limit, &purge_cursor, &at_end);
 
 	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);

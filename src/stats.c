@@ -37,6 +37,7 @@
 #include "stats.h"
 
 PG_FUNCTION_INFO_V1(idem_stats);
+PG_FUNCTION_INFO_V1(idem_stats_1_3);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
 
 /* Databases with counters at the same time; more wait for a free slot. */
@@ -501,25 +502,22 @@ require_stats(void)
 }
 
 /*
- * idem_stats(): one row per database with counters, and from 1.3 on (a
- * result type with one more column) the database's purge_start_failures.
+ * One row per database with counters into the SRF result of fcinfo, with
+ * natts columns: IDEM_STATS_COLS up to 1.2, IDEM_STATS_MAX_COLS from 1.3
+ * on (purge_start_failures).
  */
-Datum
-idem_stats(PG_FUNCTION_ARGS)
+static void
+stats_rows(FunctionCallInfo fcinfo, int natts)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
-	int			natts;
 	int			encoding = GetDatabaseEncoding();
 	int			i;
 
-	require_stats();
-	InitMaterializedSRF(fcinfo, 0);
-	natts = rsinfo->setDesc->natts;
-	if (natts != IDEM_STATS_COLS && natts != IDEM_STATS_MAX_COLS)
+	if (rsinfo->setDesc->natts != natts)
 		ereport(ERROR,
 				(errcode(ERRCODE_DATATYPE_MISMATCH),
-				 errmsg("idem_stats() is declared with %d columns, expected %d or %d",
-						natts, IDEM_STATS_COLS, IDEM_STATS_MAX_COLS),
+				 errmsg("idem_stats() is declared with %d columns, expected %d",
+						rsinfo->setDesc->natts, natts),
 				 errhint("Run ALTER EXTENSION idem UPDATE.")));
 
 	/* Errors are stored in UTF-8: look up their conversion before the lock. */
@@ -553,7 +551,32 @@ idem_stats(PG_FUNCTION_ARGS)
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	LWLockRelease(stats->lock);
+}
 
+/*
+ * idem_stats() as the scripts up to 1.3 declare it (the C symbol
+ * idem_stats): 13 columns up to 1.2, 14 in 1.3, told by the declared
+ * result type.
+ */
+Datum
+idem_stats(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+
+	require_stats();
+	InitMaterializedSRF(fcinfo, 0);
+	stats_rows(fcinfo, rsinfo->setDesc->natts == IDEM_STATS_COLS ?
+			   IDEM_STATS_COLS : IDEM_STATS_MAX_COLS);
+	return (Datum) 0;
+}
+
+/* idem_stats() from 1.4 on: 14 columns, purge_start_failures last. */
+Datum
+idem_stats_1_3(PG_FUNCTION_ARGS)
+{
+	require_stats();
+	InitMaterializedSRF(fcinfo, 0);
+	stats_rows(fcinfo, IDEM_STATS_MAX_COLS);
 	return (Datum) 0;
 }
 

@@ -75,7 +75,8 @@
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 
-#include "idem.h"
+#include "purge.h"
+#include "settings.h"
 #include "stats.h"
 #include "worker.h"
 

@@ -7,8 +7,12 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 
 pg_config=$(command -v pg_config)
+# No include or require cycle between the project's own modules, and
+# no exported symbol without the idem_ prefix.
+sh test/include_graph.sh || exit 1
 make -s clean >/dev/null
 make -s IDEM_WERROR=1 || exit 1
+sh test/symbols.sh || exit 1
 
 log=$(mktemp /tmp/idem-test-log.XXXXXX)
 if [ "$(id -u)" -eq 0 ]; then

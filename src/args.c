@@ -1,129 +1,22 @@
 /*-------------------------------------------------------------------------
  *
- * idem.c
- *	  Module entry point, settings and argument checks of the idem
- *	  extension.
+ * args.c
+ *	  Checks of the SQL functions' arguments, and keys in messages.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
-#include <limits.h>
 #include <stdlib.h>
 
 #include "fmgr.h"
-#include "miscadmin.h"
+#include "mb/pg_wchar.h"
 #include "utils/builtins.h"
 #include "utils/fmgrprotos.h"
-#include "utils/guc.h"
-#include "utils/memutils.h"
+#include "utils/timestamp.h"
 
-#include "idem.h"
-#include "stats.h"
-#include "worker.h"
-
-IDEM_MODULE_MAGIC;
-
-#define SECS_PER_30_DAYS	(30 * SECS_PER_DAY)
-
-int			idem_default_lease = 60;
-int			idem_default_retention = SECS_PER_DAY;
-int			idem_max_retention = SECS_PER_30_DAYS;
-int			idem_max_key_length = 255;
-int			idem_max_body_size = 1024 * 1024;
-int			idem_clock_offset = 0;
-int			idem_purge_batch_size = 10000;
-int			idem_purge_naptime = 10;
-bool		idem_purge_enabled = true;
-
-void		_PG_init(void);
-
-/*
- * Module load: define the settings.  The background worker and shared
- * memory are set up only when loaded through shared_preload_libraries.
- */
-void
-_PG_init(void)
-{
-	DefineCustomIntVariable("idem.default_lease",
-							"Lease of a claim when idem_begin is given none.",
-							NULL,
-							&idem_default_lease,
-							60, 1, INT_MAX,
-							PGC_USERSET, GUC_UNIT_S,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.default_retention",
-							"Dedup window of a key when none is given.",
-							NULL,
-							&idem_default_retention,
-							SECS_PER_DAY, 1, INT_MAX,
-							PGC_USERSET, GUC_UNIT_S,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.max_retention",
-							"Longest dedup window a call may ask for.",
-							NULL,
-							&idem_max_retention,
-							SECS_PER_30_DAYS, 1, INT_MAX,
-							PGC_SUSET, GUC_UNIT_S,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.max_key_length",
-							"Longest key or scope accepted, in bytes.",
-							NULL,
-							&idem_max_key_length,
-							255, 1, 1024,
-							PGC_SUSET, GUC_UNIT_BYTE,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.max_body_size",
-							"Largest response body idem_complete stores.",
-							NULL,
-							&idem_max_body_size,
-							1024 * 1024, 0, MaxAllocSize,
-							PGC_SUSET, GUC_UNIT_BYTE,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.clock_offset",
-							"Added to the server clock for every lease and retention decision.",
-							"For tests and drills that move time; leave at 0 in production.",
-							&idem_clock_offset,
-							0, INT_MIN + 1, INT_MAX,
-							PGC_SUSET, GUC_UNIT_S,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.purge_batch_size",
-							"Rows deleted per purge transaction.",
-							NULL,
-							&idem_purge_batch_size,
-							10000, 1, 1000000,
-							PGC_SIGHUP, 0,
-							NULL, NULL, NULL);
-	DefineCustomIntVariable("idem.purge_naptime",
-							"Time between two purge passes over all databases.",
-							"Used by the background worker; needs idem in shared_preload_libraries.",
-							&idem_purge_naptime,
-							10, 1, INT_MAX / 1000,
-							PGC_SIGHUP, GUC_UNIT_S,
-							NULL, NULL, NULL);
-	DefineCustomBoolVariable("idem.purge_enabled",
-							 "Whether the background worker purges expired keys.",
-							 "Needs idem in shared_preload_libraries.",
-							 &idem_purge_enabled,
-							 true,
-							 PGC_SIGHUP, 0,
-							 NULL, NULL, NULL);
-
-	MarkGUCPrefixReserved("idem");
-
-	if (!process_shared_preload_libraries_in_progress)
-		return;
-
-	idem_stats_shmem_init();
-	idem_worker_register();
-}
-
-/* The clock every lease and retention decision uses. */
-TimestampTz
-idem_now(void)
-{
-	return GetCurrentTimestamp() + (int64) idem_clock_offset * USECS_PER_SEC;
-}
+#include "args.h"
+#include "settings.h"
 
 /* ts + span, with the calendar arithmetic of timestamptz + interval. */
 TimestampTz
@@ -219,4 +112,22 @@ idem_check_key(text *key, const char *argname, bool allow_empty)
 				 errmsg("%s is too long", argname),
 				 errdetail("It is %d bytes; idem.max_key_length is %d.",
 						   len, idem_max_key_length)));
+}
+
+/* A key for an error message: at most 64 bytes, cut at a character. */
+char *
+idem_key_for_message(text *key)
+{
+	const char *s;
+	int			len;
+	int			cut;
+
+	if (key == NULL)
+		return pstrdup("");
+	s = VARDATA_ANY(key);
+	len = VARSIZE_ANY_EXHDR(key);
+	if (len <= 64)
+		return text_to_cstring(key);
+	cut = pg_mbcliplen(s, len, 64);
+	return psprintf("%.*s...", cut, s);
 }

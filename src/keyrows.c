@@ -1,48 +1,30 @@
 /*-------------------------------------------------------------------------
  *
- * keytable.c
- *	  The storage of idempotency keys: the only code that touches
- *	  idem.keys and idem.token_seq.
+ * keyrows.c
+ *	  The rows of idem.keys: every read, insert, update and delete of a
+ *	  key, directly in the heap and its indexes, and the purge scan.
  *
- * idem reads, inserts, locks, updates and deletes rows of idem.keys
- * directly in the heap and its primary key, as execReplication.c does for
- * logical replication, instead of running statements: no executor
- * start-up and no plan per call.  The executor's own checks are then ours
- * to make, and they are made here, at one door:
+ * The relation is opened, locked and checked by keyrel.c.  What the
+ * executor does for each row is done here:
  *
- * - keytable_open finds the table by name under its lock, so a table
- *	 dropped and created again since the last call is found anew, and
- *	 checks that it still has the shape the install script gave it: the
- *	 nine columns (eight before the update to 1.3; names, types, NOT
- *	 NULL, no dropped columns), the heap access method, the primary key
- *	 as its only index, no CHECK constraint, no trigger (a foreign key
- *	 referencing the table is one), and a token sequence with CACHE 1
- *	 and NO CYCLE.  A table altered beyond that is refused with 55000,
- *	 naming what idem would not maintain, rather than written past its
- *	 indexes or constraints.  The check runs again after every
- *	 invalidation of the table, its index or the sequence.
- * - every write first refuses read-only transactions and recovery (25006,
- *	 as nextval() does) and takes RowExclusiveLock.
- * - relation locks are held until the end of the transaction.
- * - tuples are formed from the relation's descriptor, and index entries
- *	 from the primary key's own columns.
- * - snapshots are registered while in use.
- *
- * When Citus distributes idem.keys (see citus.c and idem_distribute()),
- * keytable_open acts on the shard that holds the key on this node instead
- * of the distributed table, whose own heap stays empty: it resolves and
- * locks the shard, refuses a key whose shard is placed elsewhere, and
- * checks each shard's shape as above.  Tokens then come from Citus's node
- * clock instead of the node's own idem.token_seq, and a takeover's token
- * is kept above the key's last one, so that tokens per key grow across
- * nodes too.  Whether the table is distributed is decided with the shape
- * check, once per invalidation: without Citus nothing is added per call.
- *
- * A new key is inserted with speculative insertion, as INSERT ... ON
- * CONFLICT does: the heap tuple carries a speculative token, the primary
- * key entry is added with UNIQUE_CHECK_PARTIAL, and if another transaction
- * inserted the key meanwhile the insertion is undone without waiting for
- * it.  Whether and how long to wait is the caller's choice (see keys.c).
+ * - Look before you write.  A key is read (idem_keytable_read with the
+ *	 statement's snapshot, or idem_keytable_look with a dirty snapshot that also
+ *	 tells who is changing it) before anything is written; callers write
+ *	 only when that look says the write can succeed, so an answer that
+ *	 writes nothing takes no transaction ID, token or WAL.
+ * - A new key is inserted with speculative insertion, as INSERT ... ON
+ *	 CONFLICT does: the heap tuple carries a speculative token, the index
+ *	 entries are added with UNIQUE_CHECK_PARTIAL, and if another
+ *	 transaction inserted the key meanwhile the insertion is undone without
+ *	 waiting for it.  Whether and how long to wait is the caller's choice
+ *	 (see keys.c).
+ * - An update or delete writes exactly the version read, as UPDATE and
+ *	 DELETE do, checks replica identity first (CheckCmdReplicaIdentity),
+ *	 and adds index entries to every maintained index when it is not HOT.
+ * - Tuples are formed from the relation's descriptor; an update keeps the
+ *	 stored key and scope datums, so that a toasted key does not make it
+ *	 non-HOT; index entries are formed from each index's own columns.
+ * - Snapshots are registered while in use.
  *
  *-------------------------------------------------------------------------
  */
@@ -53,21 +35,11 @@
 #include "access/heapam.h"
 #include "access/htup_details.h"
 #include "access/multixact.h"
-#include "access/relation.h"
-#include "access/table.h"
 #include "access/tableam.h"
 #include "access/xact.h"
 #include "catalog/index.h"
-#include "catalog/namespace.h"
-#include "catalog/pg_am_d.h"
-#include "catalog/pg_collation_d.h"
-#include "catalog/pg_opfamily_d.h"
-#include "catalog/pg_sequence.h"
-#include "catalog/pg_type_d.h"
-#include "commands/sequence.h"
 #include "executor/executor.h"
 #include "executor/tuptable.h"
-#include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
 #include "storage/lmgr.h"
@@ -75,555 +47,14 @@
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/fmgroids.h"
-#include "utils/hsearch.h"
 #include "utils/inval.h"
-#include "utils/lsyscache.h"
-#include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
+#include "args.h"
 #include "citus.h"
-#include "keytable.h"
-
-/*
- * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
- * to 1.3 adds claimed_by (a role's OID) and the update to 1.4 makes it the
- * role's name.
- */
-static const struct
-{
-	const char *name;
-	Oid			type;
-	Oid			type_1_3;		/* the type before 1.4 */
-	bool		notnull;
-} key_columns[Natts_keys] = {
-	{"scope", TEXTOID, TEXTOID, true},
-	{"key", TEXTOID, TEXTOID, true},
-	{"fingerprint", BYTEAOID, BYTEAOID, true},
-	{"token", INT8OID, INT8OID, true},
-	{"status", INT4OID, INT4OID, false},
-	{"body", BYTEAOID, BYTEAOID, false},
-	{"lease_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
-	{"expires_at", TIMESTAMPTZOID, TIMESTAMPTZOID, true},
-	{"claimed_by", TEXTOID, OIDOID, false},
-};
-
-/* Identity of the table, cached until an invalidation touches it. */
-static Oid	keys_relid = InvalidOid;
-static Oid	token_seq_relid = InvalidOid;
-static bool callbacks_registered = false;
-/* Bumped by every invalidation of the table, its indexes or the sequence. */
-static uint64 keys_inval_count = 0;
-/* keys_inval_count when the shape was last found good, plus one. */
-static uint64 shape_checked = 0;
-
-/*
- * Indexes a table of the right shape may have: the primary key and the
- * copies of it that REINDEX CONCURRENTLY builds (and leaves behind when it
- * is cancelled).
- */
-#define IDEM_MAX_INDEXES	4
-
-/* An index of idem.keys on (key, scope), as the shape check found it. */
-typedef struct KeyIndex
-{
-	Oid			relid;
-	IndexInfo  *info;			/* built with the shape check */
-	bool		key_first;		/* on (key, scope), not (scope, key) */
-} KeyIndex;
-
-/* What the shape check found out about a table with the right shape. */
-typedef struct KeyShape
-{
-	Oid			relid;			/* hash key of shard_shapes */
-	int			nindexes;		/* all indexes; the primary key first */
-	KeyIndex	indexes[IDEM_MAX_INDEXES];
-} KeyShape;
-
-/* Memory of the shape checks; reset when the shape is checked anew. */
-static MemoryContext keytable_cxt = NULL;
-static KeyShape keys_shape;
-/* The column Citus distributes idem.keys by, 0 if it does not. */
-static AttrNumber keys_distcol = 0;
-/*
- * The greatest token read from the shard opened last (distributed only):
- * new tokens for it are drawn above it.
- */
-static int64 shard_token_floor = 0;
-/*
- * Shards of a distributed idem.keys checked since the last invalidation,
- * by relation OID; their indexes are entered too, with relid as the
- * index's OID, so that the relcache callback finds them.
- */
-static HTAB *shard_shapes = NULL;
-
-/* Is relid one of the indexes of the shape? */
-static bool
-shape_has_index(KeyShape *shape, Oid relid)
-{
-	int			i;
-
-	for (i = 0; i < shape->nindexes; i++)
-		if (shape->indexes[i].relid == relid)
-			return true;
-	return false;
-}
-
-/* Forget the table's identity and shape when it, an index or the sequence changes. */
-static void
-keys_relcache_callback(Datum arg, Oid relid)
-{
-	if (relid == InvalidOid || relid == keys_relid ||
-		relid == token_seq_relid || shape_has_index(&keys_shape, relid) ||
-		(shard_shapes != NULL &&
-		 hash_search(shard_shapes, &relid, HASH_FIND, NULL) != NULL))
-	{
-		keys_relid = InvalidOid;
-		keys_inval_count++;
-	}
-}
-
-/* Check the shape again after ALTER SEQUENCE. */
-static void
-keys_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
-{
-	/* ALTER SEQUENCE changes pg_sequence, not the relcache entry. */
-	keys_inval_count++;
-}
-
-/* Look up idem.keys and idem.token_seq by name. */
-static Oid
-lookup_keys_relid(void)
-{
-	Oid			nspid;
-
-	if (OidIsValid(keys_relid))
-		return keys_relid;
-
-	if (!callbacks_registered)
-	{
-		CacheRegisterRelcacheCallback(keys_relcache_callback, (Datum) 0);
-		CacheRegisterSyscacheCallback(SEQRELID, keys_syscache_callback,
-									  (Datum) 0);
-		callbacks_registered = true;
-	}
-
-	nspid = get_namespace_oid("idem", true);
-	token_seq_relid = OidIsValid(nspid) ?
-		get_relname_relid("token_seq", nspid) : InvalidOid;
-	keys_relid = OidIsValid(nspid) ?
-		get_relname_relid("keys", nspid) : InvalidOid;
-	if (!OidIsValid(keys_relid) || !OidIsValid(token_seq_relid))
-	{
-		keys_relid = InvalidOid;
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("extension \"idem\" is not installed in this database"),
-				 errhint("Run CREATE EXTENSION idem.")));
-	}
-	return keys_relid;
-}
-
-/*
- * Lock idem.keys and open it.  The OID is looked up again if the lock's
- * invalidations show that the table went away since it was cached (DROP
- * and CREATE EXTENSION in another session), as RangeVarGetRelidExtended
- * does.
- */
-static Relation
-open_keys_relation(LOCKMODE lockmode)
-{
-	int			attempt;
-
-	for (attempt = 0; attempt < 10; attempt++)
-	{
-		Oid			relid = lookup_keys_relid();
-
-		LockRelationOid(relid, lockmode);
-		if (relid == keys_relid)
-			return relation_open(relid, NoLock);
-		UnlockRelationOid(relid, lockmode);
-	}
-	ereport(ERROR,
-			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-			 errmsg("table idem.keys keeps changing"),
-			 errhint("Retry when no DROP or CREATE EXTENSION idem is running.")));
-	pg_unreachable();
-}
-
-/*
- * Refuse a table altered beyond what idem maintains: 55000, with the
- * message and detail given, and what to do about it.
- */
-#define refuse_shape(...) \
-	ereport(ERROR, \
-			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE), \
-			 __VA_ARGS__, \
-			 errhint("idem reads and writes idem.keys directly and keeps only the shape " \
-					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")))
-
-/*
- * Is index a btree on (key, scope) that finds keys as the primary key
- * does: the C collation and text_ops on both columns, no expressions, no
- * predicate, no INCLUDE columns?  Sets *key_first to its column order.
- */
-static bool
-is_key_index(Relation index, bool *key_first)
-{
-	Form_pg_index ind = index->rd_index;
-	int			i;
-
-	if (index->rd_rel->relam != BTREE_AM_OID ||
-		ind->indnatts != 2 || ind->indnkeyatts != 2 ||
-		!((ind->indkey.values[0] == Anum_keys_key &&
-		   ind->indkey.values[1] == Anum_keys_scope) ||
-		  (ind->indkey.values[0] == Anum_keys_scope &&
-		   ind->indkey.values[1] == Anum_keys_key)) ||
-		!ind->indimmediate ||
-		RelationGetIndexExpressions(index) != NIL ||
-		RelationGetIndexPredicate(index) != NIL)
-		return false;
-	for (i = 0; i < 2; i++)
-	{
-		if (index->rd_indcollation[i] != C_COLLATION_OID ||
-			index->rd_opfamily[i] != TEXT_BTREE_FAM_OID)
-			return false;
-	}
-	*key_first = (ind->indkey.values[0] == Anum_keys_key);
-	return true;
-}
-
-/*
- * Check the indexes of idem.keys (or a shard of it) and note them in
- * *shape, the primary key first, with IndexInfos built in keytable_cxt.
- * Besides the primary key, only copies of it are accepted: REINDEX
- * CONCURRENTLY builds one beside it and leaves it behind, invalid, when it
- * is cancelled.  Copies ready for inserts are maintained as the executor
- * maintains every index; any other index would not be, and is refused.
- */
-static void
-check_indexes(Relation rel, KeyShape *shape)
-{
-	Oid			pkid = idem_primary_key_index(rel);
-	List	   *indexes;
-	ListCell   *lc;
-	int			i;
-
-	if (!OidIsValid(pkid))
-		refuse_shape(errmsg("idem cannot use table idem.keys: it has no primary key"));
-	shape->nindexes = 1;
-	shape->indexes[0].relid = pkid;
-	indexes = RelationGetIndexList(rel);
-	foreach(lc, indexes)
-	{
-		if (lfirst_oid(lc) == pkid)
-			continue;
-		if (shape->nindexes == IDEM_MAX_INDEXES)
-			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
-								get_rel_name(lfirst_oid(lc))));
-		shape->indexes[shape->nindexes++].relid = lfirst_oid(lc);
-	}
-	list_free(indexes);
-
-	for (i = 0; i < shape->nindexes; i++)
-	{
-		KeyIndex   *ki = &shape->indexes[i];
-		Relation	index = index_open(ki->relid, AccessShareLock);
-		MemoryContext old;
-
-		if (i == 0 && (!is_key_index(index, &ki->key_first) ||
-					   !index->rd_index->indisvalid))
-			refuse_shape(errmsg("idem cannot use table idem.keys: its primary key was changed"),
-						 errdetail("It should be a btree on (key, scope) with text_ops and the C collation."));
-		if (i > 0 && !is_key_index(index, &ki->key_first))
-			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
-								RelationGetRelationName(index)),
-						 errdetail("idem maintains only its primary key and copies of it, as REINDEX CONCURRENTLY builds them."));
-		old = MemoryContextSwitchTo(keytable_cxt);
-		ki->info = BuildIndexInfo(index);
-		MemoryContextSwitchTo(old);
-		index_close(index, NoLock);
-	}
-}
-
-/*
- * Check that idem.keys (or a shard of it) is as the install script made
- * it, and note its indexes in *shape.
- */
-static void
-check_shape(Relation rel, KeyShape *shape)
-{
-	TupleDesc	desc = RelationGetDescr(rel);
-	int			i;
-
-	if (rel->rd_rel->relkind != RELKIND_RELATION ||
-		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
-		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a heap table"));
-	if (rel->rd_rel->relpersistence != RELPERSISTENCE_PERMANENT)
-		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a logged table"),
-					 errdetail("An unlogged table is emptied by a crash, and keys already completed would run again."));
-	if (rel->rd_rel->relispartition)
-		refuse_shape(errmsg("idem cannot use table idem.keys: it is a partition of another table"),
-					 errdetail("idem does not check partition constraints."));
-	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_2)
-		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
-					 errdetail("It has %d columns; idem expects %d.",
-							   desc->natts, Natts_keys));
-	for (i = 0; i < desc->natts; i++)
-	{
-		Form_pg_attribute att = TupleDescAttr(desc, i);
-
-		if (att->attisdropped ||
-			strcmp(NameStr(att->attname), key_columns[i].name) != 0 ||
-			(att->atttypid != key_columns[i].type &&
-			 att->atttypid != key_columns[i].type_1_3) ||
-			att->attnotnull != key_columns[i].notnull ||
-			att->attgenerated != '\0' ||
-			(i < 2 && att->attcollation != C_COLLATION_OID))
-			refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
-						 key_columns[i].notnull ?
-						 errdetail("Column %d should be \"%s\" of type %s NOT NULL.",
-								   i + 1, key_columns[i].name,
-								   format_type_be(key_columns[i].type)) :
-						 errdetail("Column %d should be \"%s\" of type %s.",
-								   i + 1, key_columns[i].name,
-								   format_type_be(key_columns[i].type)));
-	}
-	if (desc->constr != NULL && desc->constr->num_check > 0)
-		refuse_shape(errmsg("idem cannot use table idem.keys: it has CHECK constraint \"%s\", which idem does not check",
-							desc->constr->check[0].ccname));
-	if (rel->trigdesc != NULL && rel->trigdesc->numtriggers > 0)
-	{
-		Trigger    *trigger = &rel->trigdesc->triggers[0];
-
-		if (OidIsValid(trigger->tgconstraint))
-			refuse_shape(errmsg("idem cannot use table idem.keys: it is referenced by foreign key \"%s\", which idem does not check",
-								get_constraint_name(trigger->tgconstraint)));
-		refuse_shape(errmsg("idem cannot use table idem.keys: it has trigger \"%s\", which idem does not fire",
-							trigger->tgname));
-	}
-	check_indexes(rel, shape);
-	shape->relid = RelationGetRelid(rel);
-}
-
-/* Check that idem.token_seq is as the install script made it. */
-static void
-check_token_seq(void)
-{
-	HeapTuple	seqtup;
-	Form_pg_sequence seq;
-
-	seqtup = SearchSysCache1(SEQRELID, ObjectIdGetDatum(token_seq_relid));
-	if (!HeapTupleIsValid(seqtup))
-		elog(ERROR, "cache lookup failed for sequence %u", token_seq_relid);
-	seq = (Form_pg_sequence) GETSTRUCT(seqtup);
-	if (seq->seqcache != 1 || seq->seqcycle || seq->seqincrement != 1 ||
-		get_rel_persistence(token_seq_relid) != RELPERSISTENCE_PERMANENT)
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem cannot use sequence idem.token_seq: it must be logged, with INCREMENT 1, CACHE 1 and NO CYCLE"),
-				 errdetail("Fencing tokens must grow across all sessions and crashes.")));
-	ReleaseSysCache(seqtup);
-}
-
-/*
- * Check idem.keys anew after an invalidation: forget the shapes found
- * before, find out whether Citus distributes the table, and check the
- * table itself unless it is (then its shards are checked as they are
- * used: the distributed table is only Citus's front, and has Citus's
- * truncate trigger).
- */
-static void
-check_keys(Relation rel)
-{
-	shard_shapes = NULL;
-	keys_shape.nindexes = 0;
-	if (keytable_cxt == NULL)
-		keytable_cxt = AllocSetContextCreate(CacheMemoryContext,
-											 "idem key table",
-											 ALLOCSET_SMALL_SIZES);
-	else
-		MemoryContextReset(keytable_cxt);
-	keys_distcol = idem_citus_distribution_column(rel);
-	if (keys_distcol == 0)
-		check_shape(rel, &keys_shape);
-	check_token_seq();
-}
-
-/* The shape of a shard of the distributed idem.keys, checked once. */
-static KeyShape *
-shard_shape(Relation shard)
-{
-	Oid			relid = RelationGetRelid(shard);
-	KeyShape   *shape;
-	KeyShape	checked;
-	bool		found;
-	int			i;
-
-	if (shard_shapes == NULL)
-	{
-		HASHCTL		ctl;
-
-		ctl.keysize = sizeof(Oid);
-		ctl.entrysize = sizeof(KeyShape);
-		ctl.hcxt = keytable_cxt;
-		shard_shapes = hash_create("idem shard shapes", 64, &ctl,
-								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
-	}
-	shape = hash_search(shard_shapes, &relid, HASH_FIND, NULL);
-	if (shape != NULL)
-		return shape;
-	check_shape(shard, &checked);
-	/* The indexes, so that their invalidations are noticed too. */
-	for (i = 0; i < checked.nindexes; i++)
-	{
-		shape = hash_search(shard_shapes, &checked.indexes[i].relid,
-							HASH_ENTER, &found);
-		*shape = checked;
-		shape->relid = checked.indexes[i].relid;
-	}
-	shape = hash_search(shard_shapes, &relid, HASH_ENTER, &found);
-	*shape = checked;
-	return shape;
-}
-
-/*
- * Open the indexes of shape with the lock kt holds on the table: the
- * primary key, and the copies of it that are ready for inserts (those
- * that are not yet are not maintained, as the executor does).
- */
-static void
-open_indexes(KeyTable *kt, KeyShape *shape)
-{
-	int			i;
-
-	kt->nindexes = 0;
-	for (i = 0; i < shape->nindexes; i++)
-	{
-		KeyIndex   *ki = &shape->indexes[i];
-
-		if (i > 0 && !ki->info->ii_ReadyForInserts)
-			continue;
-		kt->indexes[kt->nindexes] = index_open(ki->relid, kt->lockmode);
-		kt->index_infos[kt->nindexes] = ki->info;
-		kt->index_key_first[kt->nindexes] = ki->key_first;
-		kt->nindexes++;
-	}
-	kt->pkey = kt->indexes[0];
-	kt->pkey_key_first = kt->index_key_first[0];
-}
-
-/* Close the indexes open_indexes opened; their locks stay. */
-static void
-close_indexes(KeyTable *kt)
-{
-	int			i;
-
-	for (i = 0; i < kt->nindexes; i++)
-		index_close(kt->indexes[i], NoLock);
-	kt->nindexes = 0;
-	kt->pkey = NULL;
-}
-
-/*
- * Make kt act on the shard relid of the distributed idem.keys instead of
- * the table itself, whose lock stays.
- */
-static void
-open_shard(KeyTable *kt, Oid relid)
-{
-	table_close(kt->rel, NoLock);
-	kt->rel = table_open(relid, kt->lockmode);
-	open_indexes(kt, shard_shape(kt->rel));
-	kt->distributed = true;
-	shard_token_floor = 0;
-}
-
-/*
- * The lock a call that may write takes on idem.keys: RowExclusiveLock, as
- * INSERT, UPDATE and DELETE do, unless the transaction is read-only (also
- * on a hot standby), where nothing will be written.
- */
-LOCKMODE
-keytable_write_lockmode(void)
-{
-	return XactReadOnly ? AccessShareLock : RowExclusiveLock;
-}
-
-/*
- * Open idem.keys for a call of the SQL function "what" on (scope, key),
- * with lockmode (AccessShareLock to read, keytable_write_lockmode() for a
- * call that may write) on the table and its indexes until the end of the
- * transaction.  The lock is taken before anything about the table is
- * looked at: taking it processes the invalidations of DDL committed
- * before, so the shape check sees what the write will see, and DDL that
- * would change what a writer must maintain waits for this transaction.
- * scope and key may be NULL (purge, which opens the shards of a
- * distributed table itself).  If Citus distributes the table, the shard
- * that holds the key is opened instead, or the call fails if that shard
- * is on another node.
- */
-void
-keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
-			  LOCKMODE lockmode)
-{
-	uint64		inval_count;
-
-	kt->rel = open_keys_relation(lockmode);
-	kt->lockmode = lockmode;
-	inval_count = keys_inval_count;
-	if (shape_checked != inval_count + 1)
-	{
-		check_keys(kt->rel);
-		if (inval_count == keys_inval_count)
-			shape_checked = inval_count + 1;
-	}
-	kt->writable = false;
-	kt->what = what;
-	kt->scope = scope;
-	kt->key = key;
-	kt->nindexes = 0;
-	kt->pkey = NULL;
-	kt->distributed = false;
-	if (unlikely(keys_distcol != 0))
-	{
-		if (key != NULL)
-			open_shard(kt, idem_citus_local_shard(kt->rel,
-												  PointerGetDatum(keys_distcol == Anum_keys_key ? key : scope),
-												  what, key));
-	}
-	else
-		open_indexes(kt, &keys_shape);
-	kt->slot = table_slot_create(kt->rel, NULL);
-}
-
-/* Close what keytable_open opened; the locks stay until the transaction ends. */
-void
-keytable_close(KeyTable *kt)
-{
-	ExecDropSingleTupleTableSlot(kt->slot);
-	close_indexes(kt);
-	table_close(kt->rel, NoLock);
-}
-
-/*
- * Every write goes through here first: refuse read-only transactions and
- * recovery, as nextval() does.  The table was opened with the writer's
- * lock (see keytable_write_lockmode), so the shape was checked under it.
- */
-void
-keytable_prepare_write(KeyTable *kt)
-{
-	if (kt->writable)
-		return;
-	PreventCommandIfReadOnly(kt->what);
-	PreventCommandIfParallelMode(kt->what);
-	PreventCommandDuringRecovery(kt->what);
-	if (kt->lockmode < RowExclusiveLock)
-		elog(ERROR, "idem.keys was opened for reading only");
-	kt->writable = true;
-}
+#include "keyrel.h"
 
 /* Error context of a wait for another transaction. */
 static void
@@ -758,7 +189,7 @@ fetch_key(KeyTable *kt, Snapshot snapshot)
  * usual SSI predicate locks).  Returns row->found.
  */
 bool
-keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
+idem_keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 {
 	Snapshot	snapshot;
 
@@ -769,7 +200,7 @@ keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 	{
 		set_row(row, kt->slot, body_cxt);
 		if (unlikely(kt->distributed))
-			shard_token_floor = Max(shard_token_floor, row->token);
+			kt->token_floor = Max(kt->token_floor, row->token);
 	}
 	else
 		memset(row, 0, sizeof(KeyRow));
@@ -786,7 +217,7 @@ keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
  * waiter->tid is the committed version found.
  */
 KeyProbe
-keytable_probe(KeyTable *kt, KeyWaiter *waiter)
+idem_keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 {
 	SnapshotData snap;
 	ScanKeyData skey[2];
@@ -835,14 +266,14 @@ keytable_probe(KeyTable *kt, KeyWaiter *waiter)
  * Read the key as it is now, for a claim in READ COMMITTED: one look with
  * a dirty snapshot finds the latest committed version of its row (or this
  * transaction's own), left in *row, and whether another transaction is
- * inserting, changing or deleting the key, as keytable_probe reports it.
+ * inserting, changing or deleting the key, as idem_keytable_probe reports it.
  * Such a transaction's new version is not in *row: until it commits, the
  * committed version is what callers answer from, as a new snapshot would
  * show it.  Without snapshot: no SSI predicate locks, which READ
  * COMMITTED does not take anyway.
  */
 KeyProbe
-keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
+idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 			  MemoryContext body_cxt)
 {
 	SnapshotData snap;
@@ -874,7 +305,7 @@ keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 		}
 		set_row(row, kt->slot, body_cxt);
 		if (unlikely(kt->distributed))
-			shard_token_floor = Max(shard_token_floor, row->token);
+			kt->token_floor = Max(kt->token_floor, row->token);
 		if (TransactionIdIsValid(snap.xmax))
 		{
 			/* Being changed or deleted: is there a new version too? */
@@ -905,7 +336,7 @@ keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
  * ended, false if it was such a short wait.
  */
 bool
-keytable_wait(KeyTable *kt, KeyWaiter *waiter)
+idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 {
 	ErrorContextCallback errcb;
 	bool		speculative = waiter->spec_token != 0;
@@ -951,7 +382,7 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 	if (old != NULL)
 	{
 		fetch_version(kt, old);
-		slot_getsomeattrs(kt->slot, Anum_keys_key);
+		slot_getallattrs(kt->slot);
 		values[Anum_keys_scope - 1] = kt->slot->tts_values[Anum_keys_scope - 1];
 		values[Anum_keys_key - 1] = kt->slot->tts_values[Anum_keys_key - 1];
 	}
@@ -971,7 +402,15 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(kv->expires_at);
 	/* Left out by heap_form_tuple from a table without the column. */
 	nulls[Anum_keys_claimed_by - 1] = !kv->claimed_by.bound;
-	if (kv->claimed_by.bound && desc->natts >= Anum_keys_claimed_by)
+	if (old != NULL && kv->claimant_as_stored &&
+		desc->natts >= Anum_keys_claimed_by)
+	{
+		values[Anum_keys_claimed_by - 1] =
+			kt->slot->tts_values[Anum_keys_claimed_by - 1];
+		nulls[Anum_keys_claimed_by - 1] =
+			kt->slot->tts_isnull[Anum_keys_claimed_by - 1];
+	}
+	else if (kv->claimed_by.bound && desc->natts >= Anum_keys_claimed_by)
 	{
 		if (TupleDescAttr(desc, Anum_keys_claimed_by - 1)->atttypid == TEXTOID)
 			values[Anum_keys_claimed_by - 1] =
@@ -980,7 +419,7 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 			values[Anum_keys_claimed_by - 1] =
 				ObjectIdGetDatum(OidIsValid(kv->claimed_by.roleid) ?
 								 kv->claimed_by.roleid :
-								 keytable_claimant_role(&kv->claimed_by));
+								 idem_keytable_claimant_role(&kv->claimed_by));
 	}
 	return heap_form_tuple(desc, values, nulls);
 }
@@ -1015,32 +454,6 @@ insert_index_entries(KeyTable *kt, ItemPointer tid, IndexUniqueCheck unique_chec
 	return unique;
 }
 
-/*
- * The next fencing token: from idem.token_seq, or, when Citus distributes
- * idem.keys (as found by the keytable_open this token is drawn for), from
- * Citus's node clock, and above every token read from the key's row: that
- * row may have been written on another node, whose clock was ahead,
- * before its shard moved here.
- */
-int64
-keytable_next_token(void)
-{
-	if (unlikely(keys_distcol != 0))
-	{
-		int64		token = idem_citus_next_token();
-
-		return token > shard_token_floor ? token : shard_token_floor + 1;
-	}
-	/*
-	 * Lock the sequence before looking at it, as nextval does: an ALTER
-	 * SEQUENCE committed since the shape check is seen, and checked.
-	 */
-	LockRelationOid(token_seq_relid, RowExclusiveLock);
-	if (shape_checked != keys_inval_count + 1)
-		check_token_seq();
-	return nextval_internal(token_seq_relid, false);
-}
-
 /* The current user's name, cached until a role is renamed or dropped. */
 static Oid	current_roleid = InvalidOid;
 static NameData current_rolename;
@@ -1052,9 +465,9 @@ roles_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
 	current_roleid = InvalidOid;
 }
 
-/* A claimant for a claim the current user makes. */
-void
-keytable_current_claimant(KeyClaimant *claimant)
+/* Make current_roleid and current_rolename the current user's. */
+static void
+cache_current_role(void)
 {
 	static bool callback_registered = false;
 	Oid			roleid = GetUserId();
@@ -1073,29 +486,40 @@ keytable_current_claimant(KeyClaimant *claimant)
 		pfree(name);
 		current_roleid = roleid;
 	}
+}
+
+/* A claimant for a claim the current user makes. */
+void
+idem_keytable_current_claimant(KeyClaimant *claimant)
+{
+	cache_current_role();
 	claimant->bound = true;
-	claimant->roleid = roleid;
+	claimant->roleid = current_roleid;
 	claimant->rolename = current_rolename;
 }
 
 /*
  * The role a claimant stands for, InvalidOid if it no longer exists (a
- * role dropped, or renamed, since it made the claim).
+ * role dropped, or renamed, since it made the claim).  The current user,
+ * the usual case, is known without a catalog lookup.
  */
 Oid
-keytable_claimant_role(KeyClaimant *claimant)
+idem_keytable_claimant_role(KeyClaimant *claimant)
 {
 	if (OidIsValid(claimant->roleid))
 		return claimant->roleid;
 	if (NameStr(claimant->rolename)[0] == '\0')
 		return InvalidOid;
+	cache_current_role();
+	if (strcmp(NameStr(claimant->rolename), NameStr(current_rolename)) == 0)
+		return current_roleid;
 	return get_role_oid(NameStr(claimant->rolename), true);
 }
 
 /*
  * Insert the key as a new row with the values of kv, drawing its token.
  * Returns false, having inserted nothing and without waiting, if another
- * transaction inserted the key first; keytable_probe then tells who.
+ * transaction inserted the key first; idem_keytable_probe then tells who.
  *
  * The token is drawn before the insertion, but kept only if no other
  * token was drawn until the row was ours: otherwise another claim of this
@@ -1103,16 +527,16 @@ keytable_claimant_role(KeyClaimant *claimant)
  * between, and the row gets a token drawn now, greater than that one.
  */
 bool
-keytable_insert(KeyTable *kt, KeyValues *kv)
+idem_keytable_insert(KeyTable *kt, KeyValues *kv)
 {
 	TransactionId xid;
 	uint32		spec_token;
 	HeapTuple	tuple;
 	bool		unique;
 
-	keytable_prepare_write(kt);
+	idem_keyrel_prepare_write(kt);
 	xid = GetCurrentTransactionId();
-	kv->token = keytable_next_token();
+	kv->token = idem_keyrel_next_token(kt);
 	tuple = form_row(kt, kv, NULL);
 
 	spec_token = SpeculativeInsertionLockAcquire(xid);
@@ -1128,7 +552,7 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 
 	if (unique)
 	{
-		int64		next = keytable_next_token();
+		int64		next = idem_keyrel_next_token(kt);
 
 		if (next != kv->token + 1)
 		{
@@ -1154,27 +578,27 @@ keytable_insert(KeyTable *kt, KeyValues *kv)
 }
 
 /*
- * Read the key for a write by its holder: as keytable_read, but in
+ * Read the key for a write by its holder: as idem_keytable_read, but in
  * REPEATABLE READ and SERIALIZABLE a version the transaction's snapshot
  * cannot see (claimed since) is a serialization failure, not "no key".
  */
 bool
-keytable_read_for_write(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
+idem_keytable_read_for_write(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 {
 	KeyWaiter	waiter;
 
-	if (keytable_read(kt, row, body_cxt) || !IsolationUsesXactSnapshot())
+	if (idem_keytable_read(kt, row, body_cxt) || !IsolationUsesXactSnapshot())
 		return row->found;
 	for (;;)
 	{
-		switch (keytable_probe(kt, &waiter))
+		switch (idem_keytable_probe(kt, &waiter))
 		{
 			case PROBE_NONE:
 				return false;
 			case PROBE_IN_PROGRESS:
 				if (!TransactionIdIsCurrentTransactionId(waiter.xid))
 				{
-					keytable_wait(kt, &waiter);
+					idem_keytable_wait(kt, &waiter);
 					continue;
 				}
 				/* fall through */
@@ -1276,14 +700,15 @@ held_only_by_me(KeyTable *kt, ItemPointer tid)
 }
 
 /*
- * Replace the version of the key's row in *row, as keytable_read found it,
+ * Replace the version of the key's row in *row, as idem_keytable_read found it,
  * with the values of kv, as UPDATE does: if another transaction is
  * changing that version, wait for it (or return KEYWRITE_BUSY if !wait);
  * if it was changed since, write nothing.  A row locked only by this
- * transaction itself is written without waiting.
+ * transaction itself is written without waiting.  kv->token
+ * IDEM_NEW_TOKEN is replaced with a new token.
  */
 KeyWrite
-keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
+idem_keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 {
 	HeapTuple	tuple;
 	TM_FailureData tmfd;
@@ -1291,8 +716,10 @@ keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 	bool		index_new_version;
 	ErrorContextCallback errcb;
 
-	keytable_prepare_write(kt);
+	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_UPDATE);
+	if (kv->token == IDEM_NEW_TOKEN)
+		kv->token = idem_keyrel_next_token(kt);
 	tuple = form_row(kt, kv, &row->tid);
 	push_wait_context(kt, &errcb);
 	result = idem_heap_update(kt->rel, &row->tid, tuple,
@@ -1329,14 +756,14 @@ delete_version(KeyTable *kt, ItemPointer tid, bool wait)
 	return result;
 }
 
-/* Delete the version of the key's row in *row, as keytable_update writes. */
+/* Delete the version of the key's row in *row, as idem_keytable_update writes. */
 KeyWrite
-keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
+idem_keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 {
 	TM_Result	result;
 	ErrorContextCallback errcb;
 
-	keytable_prepare_write(kt);
+	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
 	push_wait_context(kt, &errcb);
 	result = delete_version(kt, &row->tid, wait);
@@ -1371,7 +798,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	TableScanDesc scan;
 	int64		n = 0;
 
-	keytable_prepare_write(kt);
+	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
 
 	nblocks = RelationGetNumberOfBlocks(kt->rel);
@@ -1441,7 +868,7 @@ static int64 purge_shardid = 0;
  * node, if Citus distributes it).
  */
 int64
-keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
+idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 					 bool *at_end)
 {
 	KeyTable	kt;
@@ -1450,11 +877,12 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	List	   *shards;
 	ListCell   *lc;
 
-	keytable_open(&kt, "idem_purge()", NULL, NULL, keytable_write_lockmode());
-	if (likely(keys_distcol == 0))
+	idem_keytable_open(&kt, "idem_purge()", NULL, NULL,
+					   idem_keytable_write_lockmode());
+	if (likely(!idem_keyrel_distributed()))
 	{
 		n = purge_relation(&kt, now, limit, cursor, &pages, at_end);
-		keytable_close(&kt);
+		idem_keytable_close(&kt);
 		return n;
 	}
 
@@ -1462,7 +890,7 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	if (ItemPointerGetBlockNumberNoCheck(cursor) == 0 &&
 		ItemPointerGetOffsetNumberNoCheck(cursor) == 0)
 		purge_shardid = 0;
-	shards = idem_citus_local_shards(kt.rel);
+	shards = idem_keyrel_local_shards(&kt);
 	*at_end = true;
 	foreach(lc, shards)
 	{
@@ -1476,11 +904,7 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 			ItemPointerSet(cursor, 0, 0);
 			purge_shardid = shard->shardid;
 		}
-		ExecDropSingleTupleTableSlot(kt.slot);
-		close_indexes(&kt);
-		open_shard(&kt, shard->relid);
-		kt.slot = table_slot_create(kt.rel, NULL);
-		kt.writable = false;
+		idem_keyrel_switch_shard(&kt, shard->relid);
 		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end);
 		if (!shard_at_end || n >= limit || pages == 0)
 		{
@@ -1490,24 +914,6 @@ keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	}
 	if (*at_end)
 		purge_shardid = 0;
-	keytable_close(&kt);
+	idem_keytable_close(&kt);
 	return n;
-}
-
-/* A key for an error message: at most 64 bytes, cut at a character. */
-char *
-idem_key_for_message(text *key)
-{
-	const char *s;
-	int			len;
-	int			cut;
-
-	if (key == NULL)
-		return pstrdup("");
-	s = VARDATA_ANY(key);
-	len = VARSIZE_ANY_EXHDR(key);
-	if (len <= 64)
-		return text_to_cstring(key);
-	cut = pg_mbcliplen(s, len, 64);
-	return psprintf("%.*s...", cut, s);
 }

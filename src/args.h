@@ -1,0 +1,23 @@
+/*-------------------------------------------------------------------------
+ *
+ * args.h
+ *	  Checks of the SQL functions' arguments, and keys in messages.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_ARGS_H
+#define IDEM_ARGS_H
+
+#include "fmgr.h"
+#include "datatype/timestamp.h"
+
+extern TimestampTz idem_add_interval(TimestampTz ts, Interval *span);
+extern TimestampTz idem_window_end(TimestampTz now, Interval *span,
+								   int default_secs, const char *argname);
+extern text *idem_arg_text(FunctionCallInfo fcinfo, int argno,
+						   const char *argname);
+extern void idem_check_key(text *key, const char *argname,
+						   bool allow_empty);
+extern char *idem_key_for_message(text *key);
+
+#endif							/* IDEM_ARGS_H */

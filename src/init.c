@@ -1,0 +1,36 @@
+/*-------------------------------------------------------------------------
+ *
+ * init.c
+ *	  Module entry point of the idem extension.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "fmgr.h"
+#include "miscadmin.h"
+
+#include "compat.h"
+#include "settings.h"
+#include "stats.h"
+#include "worker.h"
+
+IDEM_MODULE_MAGIC;
+
+void		_PG_init(void);
+
+/*
+ * Module load: define the settings.  The background worker and shared
+ * memory are set up only when loaded through shared_preload_libraries.
+ */
+void
+_PG_init(void)
+{
+	idem_define_settings();
+
+	if (!process_shared_preload_libraries_in_progress)
+		return;
+
+	idem_stats_shmem_init();
+	idem_worker_register();
+}

@@ -1,0 +1,659 @@
+/*-------------------------------------------------------------------------
+ *
+ * keyrel.c
+ *	  The relation idem.keys and its token sequence: finding them, the
+ *	  lock protocol, the shape check, and the shard of a key when Citus
+ *	  distributes the table.
+ *
+ * idem reads and writes rows of idem.keys directly in the heap and its
+ * indexes (keyrows.c), as execReplication.c does for logical replication,
+ * instead of running statements.  The executor's own checks are then ours
+ * to make; those about the relation are made here, when a call opens it:
+ *
+ * - Lock before you look.  idem_keytable_open takes the lock the call
+ *	 will write with (RowExclusiveLock; AccessShareLock in a read-only
+ *	 transaction, which writes nothing) before anything about the table is
+ *	 looked at, as the executor and logicalrep_rel_open do: taking it
+ *	 processes the invalidations of DDL committed before, and DDL that
+ *	 would change what a writer maintains (CREATE INDEX, also
+ *	 CONCURRENTLY) waits for this transaction.  The table is found by name
+ *	 under that lock, so a table dropped and created again is found anew.
+ * - The shape check, run again after every invalidation of the table, its
+ *	 indexes or the sequence: the nine columns (eight before 1.3; names,
+ *	 types, NOT NULL, no dropped column), a logged heap table that is no
+ *	 partition, a btree primary key on (key, scope) with text_ops and the C
+ *	 collation, no other index but copies of it (REINDEX CONCURRENTLY's,
+ *	 maintained while ready for inserts), no CHECK constraint, no trigger
+ *	 (a foreign key referencing the table is one), and a logged token
+ *	 sequence with INCREMENT 1, CACHE 1 and NO CYCLE.  A table altered
+ *	 beyond that is refused with 55000, naming what idem would not
+ *	 maintain, rather than written past.
+ * - Every write first refuses read-only transactions and recovery (25006,
+ *	 as nextval() does); relation locks are held until the end of the
+ *	 transaction.
+ * - The token sequence is locked before a token is drawn, and checked
+ *	 again if that brought invalidations.
+ *
+ * When Citus distributes idem.keys (see citus.c and idem_distribute()),
+ * a call acts on the shard that holds the key on this node instead of the
+ * distributed table, whose own heap stays empty: the shard is resolved and
+ * locked, a key whose shard is placed elsewhere is refused, and each
+ * shard's shape is checked as above.  Tokens then come from Citus's node
+ * clock instead of the node's own idem.token_seq, and a takeover's token
+ * is kept above the key's last one, so that tokens per key grow across
+ * nodes too.  Whether the table is distributed is decided with the shape
+ * check, once per invalidation: without Citus nothing is added per call.
+ *
+ *-------------------------------------------------------------------------
+ */
+#include "postgres.h"
+
+#include "access/genam.h"
+#include "access/relation.h"
+#include "access/table.h"
+#include "access/tableam.h"
+#include "access/xact.h"
+#include "catalog/index.h"
+#include "catalog/namespace.h"
+#include "catalog/pg_am_d.h"
+#include "catalog/pg_collation_d.h"
+#include "catalog/pg_opfamily_d.h"
+#include "catalog/pg_sequence.h"
+#include "catalog/pg_type_d.h"
+#include "commands/sequence.h"
+#include "executor/tuptable.h"
+#include "miscadmin.h"
+#include "storage/lmgr.h"
+#include "tcop/utility.h"
+#include "utils/builtins.h"
+#include "utils/hsearch.h"
+#include "utils/inval.h"
+#include "utils/lsyscache.h"
+#include "utils/memutils.h"
+#include "utils/rel.h"
+#include "utils/syscache.h"
+
+#include "citus.h"
+#include "keyrel.h"
+
+/*
+ * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
+ * to 1.3 adds claimed_by (a role's OID) and the update to 1.4 makes it the
+ * role's name.
+ */
+static const struct
+{
+	const char *name;
+	Oid			type;
+	Oid			type_1_3;		/* the type before 1.4 */
+	bool		notnull;
+} key_columns[Natts_keys] = {
+	{"scope", TEXTOID, TEXTOID, true},
+	{"key", TEXTOID, TEXTOID, true},
+	{"fingerprint", BYTEAOID, BYTEAOID, true},
+	{"token", INT8OID, INT8OID, true},
+	{"status", INT4OID, INT4OID, false},
+	{"body", BYTEAOID, BYTEAOID, false},
+	{"lease_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
+	{"expires_at", TIMESTAMPTZOID, TIMESTAMPTZOID, true},
+	{"claimed_by", TEXTOID, OIDOID, false},
+};
+
+/* Identity of the table, cached until an invalidation touches it. */
+static Oid	keys_relid = InvalidOid;
+static Oid	token_seq_relid = InvalidOid;
+static bool callbacks_registered = false;
+/* Bumped by every invalidation of the table, its indexes or the sequence. */
+static uint64 keys_inval_count = 0;
+/* keys_inval_count when the shape was last found good, plus one. */
+static uint64 shape_checked = 0;
+
+/* An index of idem.keys on (key, scope), as the shape check found it. */
+typedef struct KeyIndex
+{
+	Oid			relid;
+	IndexInfo  *info;			/* built with the shape check */
+	bool		key_first;		/* on (key, scope), not (scope, key) */
+} KeyIndex;
+
+/* What the shape check found out about a table with the right shape. */
+typedef struct KeyShape
+{
+	Oid			relid;			/* hash key of shard_shapes */
+	int			nindexes;		/* all indexes; the primary key first */
+	KeyIndex	indexes[IDEM_MAX_INDEXES];
+} KeyShape;
+
+/* Memory of the shape checks; reset when the shape is checked anew. */
+static MemoryContext keytable_cxt = NULL;
+static KeyShape keys_shape;
+/* The column Citus distributes idem.keys by, 0 if it does not. */
+static AttrNumber keys_distcol = 0;
+/*
+ * Shards of a distributed idem.keys checked since the last invalidation,
+ * by relation OID; their indexes are entered too, with relid as the
+ * index's OID, so that the relcache callback finds them.
+ */
+static HTAB *shard_shapes = NULL;
+
+/* Is relid one of the indexes of the shape? */
+static bool
+shape_has_index(KeyShape *shape, Oid relid)
+{
+	int			i;
+
+	for (i = 0; i < shape->nindexes; i++)
+		if (shape->indexes[i].relid == relid)
+			return true;
+	return false;
+}
+
+/* Forget the table's identity and shape when it, an index or the sequence changes. */
+static void
+keys_relcache_callback(Datum arg, Oid relid)
+{
+	if (relid == InvalidOid || relid == keys_relid ||
+		relid == token_seq_relid || shape_has_index(&keys_shape, relid) ||
+		(shard_shapes != NULL &&
+		 hash_search(shard_shapes, &relid, HASH_FIND, NULL) != NULL))
+	{
+		keys_relid = InvalidOid;
+		keys_inval_count++;
+	}
+}
+
+/* Check the shape again after ALTER SEQUENCE. */
+static void
+keys_syscache_callback(Datum arg, int cacheid, uint32 hashvalue)
+{
+	/* ALTER SEQUENCE changes pg_sequence, not the relcache entry. */
+	keys_inval_count++;
+}
+
+/* Look up idem.keys and idem.token_seq by name. */
+static Oid
+lookup_keys_relid(void)
+{
+	Oid			nspid;
+
+	if (OidIsValid(keys_relid))
+		return keys_relid;
+
+	if (!callbacks_registered)
+	{
+		CacheRegisterRelcacheCallback(keys_relcache_callback, (Datum) 0);
+		CacheRegisterSyscacheCallback(SEQRELID, keys_syscache_callback,
+									  (Datum) 0);
+		callbacks_registered = true;
+	}
+
+	nspid = get_namespace_oid("idem", true);
+	token_seq_relid = OidIsValid(nspid) ?
+		get_relname_relid("token_seq", nspid) : InvalidOid;
+	keys_relid = OidIsValid(nspid) ?
+		get_relname_relid("keys", nspid) : InvalidOid;
+	if (!OidIsValid(keys_relid) || !OidIsValid(token_seq_relid))
+	{
+		keys_relid = InvalidOid;
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("extension \"idem\" is not installed in this database"),
+				 errhint("Run CREATE EXTENSION idem.")));
+	}
+	return keys_relid;
+}
+
+/*
+ * Lock idem.keys and open it.  The OID is looked up again if the lock's
+ * invalidations show that the table went away since it was cached (DROP
+ * and CREATE EXTENSION in another session), as RangeVarGetRelidExtended
+ * does.
+ */
+static Relation
+open_keys_relation(LOCKMODE lockmode)
+{
+	int			attempt;
+
+	for (attempt = 0; attempt < 10; attempt++)
+	{
+		Oid			relid = lookup_keys_relid();
+
+		LockRelationOid(relid, lockmode);
+		if (relid == keys_relid)
+			return relation_open(relid, NoLock);
+		UnlockRelationOid(relid, lockmode);
+	}
+	ereport(ERROR,
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+			 errmsg("table idem.keys keeps changing"),
+			 errhint("Retry when no DROP or CREATE EXTENSION idem is running.")));
+	pg_unreachable();
+}
+
+/*
+ * Refuse a table altered beyond what idem maintains: 55000, with the
+ * message and detail given, and what to do about it.
+ */
+#define refuse_shape(...) \
+	ereport(ERROR, \
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE), \
+			 __VA_ARGS__, \
+			 errhint("idem reads and writes idem.keys directly and keeps only the shape " \
+					 "CREATE EXTENSION gave it: undo the change, or drop and create the extension.")))
+
+/*
+ * Is index a btree on (key, scope) that finds keys as the primary key
+ * does: the C collation and text_ops on both columns, no expressions, no
+ * predicate, no INCLUDE columns?  Sets *key_first to its column order.
+ */
+static bool
+is_key_index(Relation index, bool *key_first)
+{
+	Form_pg_index ind = index->rd_index;
+	int			i;
+
+	if (index->rd_rel->relam != BTREE_AM_OID ||
+		ind->indnatts != 2 || ind->indnkeyatts != 2 ||
+		!((ind->indkey.values[0] == Anum_keys_key &&
+		   ind->indkey.values[1] == Anum_keys_scope) ||
+		  (ind->indkey.values[0] == Anum_keys_scope &&
+		   ind->indkey.values[1] == Anum_keys_key)) ||
+		!ind->indimmediate ||
+		RelationGetIndexExpressions(index) != NIL ||
+		RelationGetIndexPredicate(index) != NIL)
+		return false;
+	for (i = 0; i < 2; i++)
+	{
+		if (index->rd_indcollation[i] != C_COLLATION_OID ||
+			index->rd_opfamily[i] != TEXT_BTREE_FAM_OID)
+			return false;
+	}
+	*key_first = (ind->indkey.values[0] == Anum_keys_key);
+	return true;
+}
+
+/*
+ * Check the indexes of idem.keys (or a shard of it) and note them in
+ * *shape, the primary key first, with IndexInfos built in keytable_cxt.
+ * Besides the primary key, only copies of it are accepted: REINDEX
+ * CONCURRENTLY builds one beside it and leaves it behind, invalid, when it
+ * is cancelled.  Copies ready for inserts are maintained as the executor
+ * maintains every index; any other index would not be, and is refused.
+ */
+static void
+check_indexes(Relation rel, KeyShape *shape)
+{
+	Oid			pkid = idem_primary_key_index(rel);
+	List	   *indexes;
+	ListCell   *lc;
+	int			i;
+
+	if (!OidIsValid(pkid))
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has no primary key"));
+	shape->nindexes = 1;
+	shape->indexes[0].relid = pkid;
+	indexes = RelationGetIndexList(rel);
+	foreach(lc, indexes)
+	{
+		if (lfirst_oid(lc) == pkid)
+			continue;
+		if (shape->nindexes == IDEM_MAX_INDEXES)
+			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
+								get_rel_name(lfirst_oid(lc))));
+		shape->indexes[shape->nindexes++].relid = lfirst_oid(lc);
+	}
+	list_free(indexes);
+
+	for (i = 0; i < shape->nindexes; i++)
+	{
+		KeyIndex   *ki = &shape->indexes[i];
+		Relation	index = index_open(ki->relid, AccessShareLock);
+		MemoryContext old;
+
+		if (i == 0 && (!is_key_index(index, &ki->key_first) ||
+					   !index->rd_index->indisvalid))
+			refuse_shape(errmsg("idem cannot use table idem.keys: its primary key was changed"),
+						 errdetail("It should be a btree on (key, scope) with text_ops and the C collation."));
+		if (i > 0 && !is_key_index(index, &ki->key_first))
+			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
+								RelationGetRelationName(index)),
+						 errdetail("idem maintains only its primary key and copies of it, as REINDEX CONCURRENTLY builds them."));
+		old = MemoryContextSwitchTo(keytable_cxt);
+		ki->info = BuildIndexInfo(index);
+		MemoryContextSwitchTo(old);
+		index_close(index, NoLock);
+	}
+}
+
+/*
+ * Check that idem.keys (or a shard of it) is as the install script made
+ * it, and note its indexes in *shape.
+ */
+static void
+check_shape(Relation rel, KeyShape *shape)
+{
+	TupleDesc	desc = RelationGetDescr(rel);
+	int			i;
+
+	if (rel->rd_rel->relkind != RELKIND_RELATION ||
+		rel->rd_rel->relam != HEAP_TABLE_AM_OID)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a heap table"));
+	if (rel->rd_rel->relpersistence != RELPERSISTENCE_PERMANENT)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is not a logged table"),
+					 errdetail("An unlogged table is emptied by a crash, and keys already completed would run again."));
+	if (rel->rd_rel->relispartition)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it is a partition of another table"),
+					 errdetail("idem does not check partition constraints."));
+	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_2)
+		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
+					 errdetail("It has %d columns; idem expects %d.",
+							   desc->natts, Natts_keys));
+	for (i = 0; i < desc->natts; i++)
+	{
+		Form_pg_attribute att = TupleDescAttr(desc, i);
+
+		if (att->attisdropped ||
+			strcmp(NameStr(att->attname), key_columns[i].name) != 0 ||
+			(att->atttypid != key_columns[i].type &&
+			 att->atttypid != key_columns[i].type_1_3) ||
+			att->attnotnull != key_columns[i].notnull ||
+			att->attgenerated != '\0' ||
+			(i < 2 && att->attcollation != C_COLLATION_OID))
+			refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
+						 key_columns[i].notnull ?
+						 errdetail("Column %d should be \"%s\" of type %s NOT NULL.",
+								   i + 1, key_columns[i].name,
+								   format_type_be(key_columns[i].type)) :
+						 errdetail("Column %d should be \"%s\" of type %s.",
+								   i + 1, key_columns[i].name,
+								   format_type_be(key_columns[i].type)));
+	}
+	if (desc->constr != NULL && desc->constr->num_check > 0)
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has CHECK constraint \"%s\", which idem does not check",
+							desc->constr->check[0].ccname));
+	if (rel->trigdesc != NULL && rel->trigdesc->numtriggers > 0)
+	{
+		Trigger    *trigger = &rel->trigdesc->triggers[0];
+
+		if (OidIsValid(trigger->tgconstraint))
+			refuse_shape(errmsg("idem cannot use table idem.keys: it is referenced by foreign key \"%s\", which idem does not check",
+								get_constraint_name(trigger->tgconstraint)));
+		refuse_shape(errmsg("idem cannot use table idem.keys: it has trigger \"%s\", which idem does not fire",
+							trigger->tgname));
+	}
+	check_indexes(rel, shape);
+	shape->relid = RelationGetRelid(rel);
+}
+
+/* Check that idem.token_seq is as the install script made it. */
+static void
+check_token_seq(void)
+{
+	HeapTuple	seqtup;
+	Form_pg_sequence seq;
+
+	seqtup = SearchSysCache1(SEQRELID, ObjectIdGetDatum(token_seq_relid));
+	if (!HeapTupleIsValid(seqtup))
+		elog(ERROR, "cache lookup failed for sequence %u", token_seq_relid);
+	seq = (Form_pg_sequence) GETSTRUCT(seqtup);
+	if (seq->seqcache != 1 || seq->seqcycle || seq->seqincrement != 1 ||
+		get_rel_persistence(token_seq_relid) != RELPERSISTENCE_PERMANENT)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem cannot use sequence idem.token_seq: it must be logged, with INCREMENT 1, CACHE 1 and NO CYCLE"),
+				 errdetail("Fencing tokens must grow across all sessions and crashes.")));
+	ReleaseSysCache(seqtup);
+}
+
+/*
+ * Check idem.keys anew after an invalidation: forget the shapes found
+ * before, find out whether Citus distributes the table, and check the
+ * table itself unless it is (then its shards are checked as they are
+ * used: the distributed table is only Citus's front, and has Citus's
+ * truncate trigger).
+ */
+static void
+check_keys(Relation rel)
+{
+	shard_shapes = NULL;
+	keys_shape.nindexes = 0;
+	if (keytable_cxt == NULL)
+		keytable_cxt = AllocSetContextCreate(CacheMemoryContext,
+											 "idem key table",
+											 ALLOCSET_SMALL_SIZES);
+	else
+		MemoryContextReset(keytable_cxt);
+	keys_distcol = idem_citus_distribution_column(rel);
+	if (keys_distcol == 0)
+		check_shape(rel, &keys_shape);
+	check_token_seq();
+}
+
+/* The shape of a shard of the distributed idem.keys, checked once. */
+static KeyShape *
+shard_shape(Relation shard)
+{
+	Oid			relid = RelationGetRelid(shard);
+	KeyShape   *shape;
+	KeyShape	checked;
+	bool		found;
+	int			i;
+
+	if (shard_shapes == NULL)
+	{
+		HASHCTL		ctl;
+
+		ctl.keysize = sizeof(Oid);
+		ctl.entrysize = sizeof(KeyShape);
+		ctl.hcxt = keytable_cxt;
+		shard_shapes = hash_create("idem shard shapes", 64, &ctl,
+								   HASH_ELEM | HASH_BLOBS | HASH_CONTEXT);
+	}
+	shape = hash_search(shard_shapes, &relid, HASH_FIND, NULL);
+	if (shape != NULL)
+		return shape;
+	check_shape(shard, &checked);
+	/* The indexes, so that their invalidations are noticed too. */
+	for (i = 0; i < checked.nindexes; i++)
+	{
+		shape = hash_search(shard_shapes, &checked.indexes[i].relid,
+							HASH_ENTER, &found);
+		*shape = checked;
+		shape->relid = checked.indexes[i].relid;
+	}
+	shape = hash_search(shard_shapes, &relid, HASH_ENTER, &found);
+	*shape = checked;
+	return shape;
+}
+
+/*
+ * Open the indexes of shape with the lock kt holds on the table: the
+ * primary key, and the copies of it that are ready for inserts (those
+ * that are not yet are not maintained, as the executor does).
+ */
+static void
+open_indexes(KeyTable *kt, KeyShape *shape)
+{
+	int			i;
+
+	kt->nindexes = 0;
+	for (i = 0; i < shape->nindexes; i++)
+	{
+		KeyIndex   *ki = &shape->indexes[i];
+
+		if (i > 0 && !ki->info->ii_ReadyForInserts)
+			continue;
+		kt->indexes[kt->nindexes] = index_open(ki->relid, kt->lockmode);
+		kt->index_infos[kt->nindexes] = ki->info;
+		kt->index_key_first[kt->nindexes] = ki->key_first;
+		kt->nindexes++;
+	}
+	kt->pkey = kt->indexes[0];
+	kt->pkey_key_first = kt->index_key_first[0];
+}
+
+/* Close the indexes open_indexes opened; their locks stay. */
+static void
+close_indexes(KeyTable *kt)
+{
+	int			i;
+
+	for (i = 0; i < kt->nindexes; i++)
+		index_close(kt->indexes[i], NoLock);
+	kt->nindexes = 0;
+	kt->pkey = NULL;
+}
+
+/*
+ * Make kt act on the shard relid of the distributed idem.keys instead of
+ * the table itself, whose lock stays.
+ */
+static void
+open_shard(KeyTable *kt, Oid relid)
+{
+	table_close(kt->rel, NoLock);
+	kt->rel = table_open(relid, kt->lockmode);
+	open_indexes(kt, shard_shape(kt->rel));
+	kt->distributed = true;
+	kt->token_floor = 0;
+}
+
+/*
+ * The lock a call that may write takes on idem.keys: RowExclusiveLock, as
+ * INSERT, UPDATE and DELETE do, unless the transaction is read-only (also
+ * on a hot standby), where nothing will be written.
+ */
+LOCKMODE
+idem_keytable_write_lockmode(void)
+{
+	return XactReadOnly ? AccessShareLock : RowExclusiveLock;
+}
+
+/*
+ * Open idem.keys for a call of the SQL function "what" on (scope, key),
+ * with lockmode (AccessShareLock to read, idem_keytable_write_lockmode() for a
+ * call that may write) on the table and its indexes until the end of the
+ * transaction.  The lock is taken before anything about the table is
+ * looked at: taking it processes the invalidations of DDL committed
+ * before, so the shape check sees what the write will see, and DDL that
+ * would change what a writer must maintain waits for this transaction.
+ * scope and key may be NULL (purge, which opens the shards of a
+ * distributed table itself).  If Citus distributes the table, the shard
+ * that holds the key is opened instead, or the call fails if that shard
+ * is on another node.
+ */
+void
+idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
+				   LOCKMODE lockmode)
+{
+	uint64		inval_count;
+
+	kt->rel = open_keys_relation(lockmode);
+	kt->lockmode = lockmode;
+	inval_count = keys_inval_count;
+	if (shape_checked != inval_count + 1)
+	{
+		check_keys(kt->rel);
+		if (inval_count == keys_inval_count)
+			shape_checked = inval_count + 1;
+	}
+	kt->writable = false;
+	kt->what = what;
+	kt->scope = scope;
+	kt->key = key;
+	kt->nindexes = 0;
+	kt->pkey = NULL;
+	kt->distributed = false;
+	kt->token_floor = 0;
+	if (unlikely(keys_distcol != 0))
+	{
+		if (key != NULL)
+			open_shard(kt, idem_citus_local_shard(kt->rel,
+												  PointerGetDatum(keys_distcol == Anum_keys_key ? key : scope),
+												  what, key));
+	}
+	else
+		open_indexes(kt, &keys_shape);
+	kt->slot = table_slot_create(kt->rel, NULL);
+}
+
+/* Close what idem_keytable_open opened; the locks stay until the transaction ends. */
+void
+idem_keytable_close(KeyTable *kt)
+{
+	ExecDropSingleTupleTableSlot(kt->slot);
+	close_indexes(kt);
+	table_close(kt->rel, NoLock);
+}
+
+/*
+ * Every write goes through here first: refuse read-only transactions and
+ * recovery, as nextval() does.  The table was opened with the writer's
+ * lock (see idem_keytable_write_lockmode), so the shape was checked under it.
+ */
+void
+idem_keyrel_prepare_write(KeyTable *kt)
+{
+	if (kt->writable)
+		return;
+	PreventCommandIfReadOnly(kt->what);
+	PreventCommandIfParallelMode(kt->what);
+	PreventCommandDuringRecovery(kt->what);
+	if (kt->lockmode < RowExclusiveLock)
+		elog(ERROR, "idem.keys was opened for reading only");
+	kt->writable = true;
+}
+
+/*
+ * The next fencing token for the key kt is open for: from idem.token_seq,
+ * or, when Citus distributes idem.keys, from Citus's node clock, and above
+ * every token read from the key's row (kt->token_floor): that
+ * row may have been written on another node, whose clock was ahead,
+ * before its shard moved here.
+ */
+int64
+idem_keyrel_next_token(KeyTable *kt)
+{
+	if (unlikely(kt->distributed))
+	{
+		int64		token = idem_citus_next_token();
+
+		return token > kt->token_floor ? token : kt->token_floor + 1;
+	}
+	/*
+	 * Lock the sequence before looking at it, as nextval does: an ALTER
+	 * SEQUENCE committed since the shape check is seen, and checked.
+	 */
+	LockRelationOid(token_seq_relid, RowExclusiveLock);
+	if (shape_checked != keys_inval_count + 1)
+		check_token_seq();
+	return nextval_internal(token_seq_relid, false);
+}
+
+/* Does Citus distribute idem.keys (as found by the last shape check)? */
+bool
+idem_keyrel_distributed(void)
+{
+	return keys_distcol != 0;
+}
+
+/* The shards of the distributed idem.keys placed on this node. */
+List *
+idem_keyrel_local_shards(KeyTable *kt)
+{
+	return idem_citus_local_shards(kt->rel);
+}
+
+/*
+ * Make kt, opened for purge, act on the shard relid of the distributed
+ * idem.keys instead.
+ */
+void
+idem_keyrel_switch_shard(KeyTable *kt, Oid relid)
+{
+	ExecDropSingleTupleTableSlot(kt->slot);
+	close_indexes(kt);
+	open_shard(kt, relid);
+	kt->slot = table_slot_create(kt->rel, NULL);
+	kt->writable = false;
+}

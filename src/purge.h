@@ -1,0 +1,16 @@
+/*-------------------------------------------------------------------------
+ *
+ * purge.h
+ *	  Deletion of expired keys, shared by idem_purge() and the background
+ *	  worker.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef IDEM_PURGE_H
+#define IDEM_PURGE_H
+
+#include "datatype/timestamp.h"
+
+extern int64 idem_purge_batch(TimestampTz now, int limit, bool *pass_done);
+
+#endif							/* IDEM_PURGE_H */
