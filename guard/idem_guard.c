@@ -5,11 +5,13 @@
  *
  * Every server call is one statement in its own transaction (or, when
  * the test clock is moved, one short explicit transaction), sent with
- * parameters and waited for with an optional client side timeout.  Every
- * call names the schema of the idem functions and casts every parameter to
- * the exact type of the function's argument, so that the caller's
- * search_path and look-alike functions (another schema, or other argument
- * types such as varchar) cannot capture it.
+ * parameters through the connection core (guard_conn.c), which never
+ * blocks past the call's deadline: the client side timeout, if any, plus
+ * the time a cancel may take.  Every call names the schema of the idem
+ * functions and casts every parameter to the exact type of the function's
+ * argument, so that the caller's search_path and look-alike functions
+ * (another schema, or other argument types such as varchar) cannot
+ * capture it.
  *
  * A claim that cannot be made for any reason makes the outcome UNAVAILABLE
  * and the handler is not run.  A statement whose result arrives after the
@@ -26,21 +28,23 @@
  * failure, never an empty replay.  The heartbeat extends the lease every
  * third of the lease the claim returned (the server's default lease when
  * lease_ms is 0), and re-makes a lost connection without blocking longer
- * than one period, so that stopping it never hangs.
+ * than one period.  Stopping it never waits for an idem_extend that is
+ * stuck (on a row lock, say): the extend in flight is cancelled, and a
+ * heartbeat thread that has not ended soon after is left to end on its
+ * own, with nothing of the caller's in its hands.
  *
  *-------------------------------------------------------------------------
  */
 #include "idem_guard.h"
+#include "guard_conn.h"
 
 #include <errno.h>
 #include <inttypes.h>
-#include <poll.h>
 #include <pthread.h>
-#include <stdarg.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/socket.h>
 #include <time.h>
 
 /*
@@ -68,9 +72,6 @@
 #define SQL_EXTEND \
 	"SELECT %s.idem_extend($1::pg_catalog.text, $2::pg_catalog.int8," \
 	" $3::pg_catalog.interval, $4::pg_catalog.text)"
-#define SQL_CLOCK \
-	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
-	" true)"
 
 /* Room for a statement with its schema. */
 #define SQL_LEN					1024
@@ -79,18 +80,11 @@
 #define SCHEMA_MAX				63
 #define QUOTED_SCHEMA_LEN		(2 * SCHEMA_MAX + 3)
 
-/* How long to wait for a cancelled statement before dropping the link. */
-#define CANCEL_GRACE_MS			1000
-
-/* Slice of a heartbeat reconnect's wait, to notice a stop request. */
-#define RECONNECT_SLICE_MS		50
-
-/* Why a server call failed. */
-typedef struct GuardError
-{
-	char		sqlstate[6];
-	char		message[256];
-} GuardError;
+/*
+ * How long stopping the heartbeat waits for its thread beyond the time
+ * its statement's cancel may take.
+ */
+#define HEARTBEAT_EXIT_MS		100
 
 /* One guarded call: its arguments as the statements send them. */
 typedef struct GuardCall
@@ -109,275 +103,56 @@ typedef struct GuardCall
 	long		lease_ms;		/* the claim's lease, from its lease_until */
 } GuardCall;
 
-/* A running heartbeat: a thread extending one claim's lease. */
+/*
+ * A running heartbeat: a thread extending one claim's lease.  It keeps
+ * copies of what it sends, so that a thread left to end on its own after
+ * the call returned uses nothing of the caller's.
+ */
 typedef struct IdemHeartbeat
 {
 	pthread_t	thread;
 	pthread_mutex_t lock;
-	pthread_cond_t cond;
-	bool		stop;			/* under lock */
-	int			stopping;		/* atomic copy of stop, for reconnects */
-	int			lost;			/* atomic: token superseded or claim gone */
-	int			extends;		/* under lock */
+	pthread_cond_t wake;		/* to the thread: stop sleeping */
+	pthread_cond_t done;		/* from the thread: it has ended */
+	bool		finished;		/* under lock: the thread has ended */
+	bool		abandoned;		/* under lock: the thread frees all */
+	GuardStop	stop;
+	atomic_bool lost;			/* token superseded or claim gone */
+	atomic_int	extends;		/* successful extends */
 	PGconn	   *conn;
-	const GuardCall *call;
+	char	   *sql;			/* SQL_EXTEND with the schema */
+	char	   *key;
+	char	   *scope;
+	char		token[24];
 	char		lease[32];		/* the lease each extend asks for */
 	int			period_ms;
-	GuardError	err;			/* last failure, under lock */
+	int			timeout_ms;
+	int			clock_offset_s;
+	IdemFaultHook fault;
+	void	   *fault_arg;
 } IdemHeartbeat;
 
-/* Set *err from a printf-style message, with an empty SQLSTATE. */
-static void
-set_error(GuardError *err, const char *fmt,...)
-{
-	va_list		ap;
-
-	err->sqlstate[0] = '\0';
-	va_start(ap, fmt);
-	vsnprintf(err->message, sizeof(err->message), fmt, ap);
-	va_end(ap);
-}
-
-/* Copy a libpq message into *err without its trailing newline. */
-static void
-set_error_text(GuardError *err, const char *sqlstate, const char *text)
-{
-	size_t		len;
-
-	snprintf(err->sqlstate, sizeof(err->sqlstate), "%s",
-			 sqlstate ? sqlstate : "");
-	snprintf(err->message, sizeof(err->message), "%s",
-			 (text && *text) ? text : "unknown error");
-	len = strlen(err->message);
-	while (len > 0 && (err->message[len - 1] == '\n' ||
-					   err->message[len - 1] == ' '))
-		err->message[--len] = '\0';
-}
-
-/* Milliseconds from now until the monotonic deadline (may be negative). */
-static long
-ms_until(const struct timespec *deadline)
-{
-	struct timespec now;
-
-	clock_gettime(CLOCK_MONOTONIC, &now);
-	return (deadline->tv_sec - now.tv_sec) * 1000L +
-		(deadline->tv_nsec - now.tv_nsec) / 1000000L;
-}
-
-/* Move *ts forward by ms milliseconds. */
-static void
-add_ms(struct timespec *ts, long ms)
-{
-	ts->tv_sec += ms / 1000;
-	ts->tv_nsec += (ms % 1000) * 1000000L;
-	if (ts->tv_nsec >= 1000000000L)
-	{
-		ts->tv_sec++;
-		ts->tv_nsec -= 1000000000L;
-	}
-}
-
 /*
- * Wait until the connection has a complete result, at most timeout_ms
- * (0: no limit).  Returns 0 when ready (the result may be an error),
- * 1 on timeout.
+ * Run one statement of a guarded call under the call's timeout (0: none)
+ * and, for the heartbeat, its stop request.  Returns as guard_conn_exec
+ * does; a timeout's message names it.
  */
-static int
-wait_result(PGconn *conn, int timeout_ms)
+static PGresult *
+call_statement(PGconn *conn, const GuardStatement *st, int timeout_ms,
+			   int clock_offset_s, GuardStop *stop, GuardError *err,
+			   bool *uncertain)
 {
 	struct timespec deadline;
-
-	clock_gettime(CLOCK_MONOTONIC, &deadline);
-	add_ms(&deadline, timeout_ms);
-	while (PQisBusy(conn))
-	{
-		struct pollfd pfd;
-		long		remaining = -1;
-		int			rc;
-
-		if (timeout_ms > 0)
-		{
-			remaining = ms_until(&deadline);
-			if (remaining <= 0)
-				return 1;
-		}
-		pfd.fd = PQsocket(conn);
-		pfd.events = POLLIN;
-		pfd.revents = 0;
-		if (pfd.fd < 0)
-			return 0;
-		rc = poll(&pfd, 1, (int) remaining);
-		if (rc < 0 && errno != EINTR)
-			return 0;
-		if (rc > 0 && !PQconsumeInput(conn))
-			return 0;			/* connection lost: PQgetResult says so */
-	}
-	return 0;
-}
-
-/*
- * Cancel the running statement; if the server does not answer soon, shut
- * the socket down so that the connection reports itself broken instead of
- * hanging.  The caller then drains the results.
- */
-static void
-cancel_statement(PGconn *conn)
-{
-	PGcancel   *cancel = PQgetCancel(conn);
-	char		buf[256];
-
-	if (cancel != NULL)
-	{
-		PQcancel(cancel, buf, sizeof(buf));
-		PQfreeCancel(cancel);
-	}
-	if (wait_result(conn, CANCEL_GRACE_MS) != 0 && PQsocket(conn) >= 0)
-		shutdown(PQsocket(conn), SHUT_RDWR);
-}
-
-/*
- * Run one statement with parameters and wait for its result, in text or
- * binary format (result_format 0 or 1).  Returns the statement's result
- * (tuples or command OK), or NULL with *err set.
- *
- * A result that arrives although the timeout fired is returned: the
- * statement ended before the cancel reached it.  A result followed by an
- * error (the implicit commit failed, or the connection was lost before
- * the server confirmed the end of the transaction) is returned with
- * *uncertain set and *err describing the error: the statement's effect
- * may or may not have been committed.
- */
-static PGresult *
-run_statement(PGconn *conn, const char *sql, int nparams,
-			  const char *const *values, const int *lengths,
-			  const int *formats, int result_format, int timeout_ms,
-			  GuardError *err, bool *uncertain)
-{
-	PGresult   *ok = NULL;
-	PGresult   *failed = NULL;
 	PGresult   *res;
-	bool		timed_out = false;
 
-	*uncertain = false;
-	if (!PQsendQueryParams(conn, sql, nparams, NULL, values, lengths,
-						   formats, result_format))
-	{
-		set_error_text(err, NULL, PQerrorMessage(conn));
-		return NULL;
-	}
-	if (wait_result(conn, timeout_ms) != 0)
-	{
-		timed_out = true;
-		cancel_statement(conn);
-	}
-	/* Keep the statement's result and the first error after it. */
-	while ((res = PQgetResult(conn)) != NULL)
-	{
-		ExecStatusType status = PQresultStatus(res);
-
-		if (ok == NULL && failed == NULL &&
-			(status == PGRES_TUPLES_OK || status == PGRES_COMMAND_OK))
-			ok = res;
-		else if (failed == NULL && status != PGRES_TUPLES_OK &&
-				 status != PGRES_COMMAND_OK)
-			failed = res;
-		else
-			PQclear(res);
-	}
-	if (failed != NULL)
-	{
-		if (timed_out && ok == NULL)
-			set_error(err, "statement timed out after %d ms", timeout_ms);
-		else
-			set_error_text(err, PQresultErrorField(failed, PG_DIAG_SQLSTATE),
-						   PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) ?
-						   PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) :
-						   PQresultErrorMessage(failed));
-		PQclear(failed);
-		if (ok != NULL)
-			*uncertain = true;
-		return ok;
-	}
-	if (ok == NULL)
-	{
-		if (timed_out)
-			set_error(err, "statement timed out after %d ms", timeout_ms);
-		else
-			set_error_text(err, NULL, PQerrorMessage(conn));
-	}
-	return ok;
-}
-
-/* Run a statement that must succeed for the guard to go on; drop its result. */
-static bool
-run_command(PGconn *conn, const char *sql, int nparams,
-			const char *const *values, int timeout_ms, GuardError *err)
-{
-	bool		uncertain;
-	PGresult   *res = run_statement(conn, sql, nparams, values, NULL, NULL,
-									0, timeout_ms, err, &uncertain);
-
-	PQclear(res);
-	return res != NULL && !uncertain;
-}
-
-/*
- * Run one guard statement in its own transaction: as a single statement,
- * or, with a test clock offset, between BEGIN and COMMIT after setting
- * idem.clock_offset for that transaction only.  Returns the result or
- * NULL with *err set; *uncertain as for run_statement (with an offset: the
- * statement answered but its COMMIT did not).
- */
-static PGresult *
-guard_exec(PGconn *conn, const IdemGuardOptions *opts, const char *sql,
-		   int nparams, const char *const *values, const int *lengths,
-		   const int *formats, int result_format, GuardError *err,
-		   bool *uncertain)
-{
-	PGresult   *res;
-	char		offset[16];
-	const char *clock_values[1];
-	GuardError	ignored;
-
-	*uncertain = false;
-	if (conn == NULL || PQstatus(conn) != CONNECTION_OK)
-	{
-		set_error_text(err, NULL, conn ? PQerrorMessage(conn) :
-					   "no connection");
-		return NULL;
-	}
-	if (PQtransactionStatus(conn) != PQTRANS_IDLE)
-	{
-		set_error(err, "connection is busy or inside a transaction");
-		return NULL;
-	}
-	if (opts->clock_offset_s == 0)
-		return run_statement(conn, sql, nparams, values, lengths, formats,
-							 result_format, opts->timeout_ms, err, uncertain);
-
-	snprintf(offset, sizeof(offset), "%d", opts->clock_offset_s);
-	clock_values[0] = offset;
-	if (!run_command(conn, "BEGIN", 0, NULL, opts->timeout_ms, err))
-		return NULL;
-	if (run_command(conn, SQL_CLOCK, 1, clock_values, opts->timeout_ms, err))
-	{
-		res = run_statement(conn, sql, nparams, values, lengths, formats,
-							result_format, opts->timeout_ms, err, uncertain);
-		if (res != NULL && !*uncertain)
-		{
-			if (!run_command(conn, "COMMIT", 0, NULL, opts->timeout_ms, err))
-				*uncertain = true;
-			return res;
-		}
-		/* Inside a transaction, a statement's error rolls it back. */
-		PQclear(res);
-		*uncertain = false;
-	}
-	if (PQstatus(conn) == CONNECTION_OK &&
-		PQtransactionStatus(conn) != PQTRANS_IDLE)
-		run_command(conn, "ROLLBACK", 0, NULL, opts->timeout_ms, &ignored);
-	return NULL;
+	if (timeout_ms > 0)
+		guard_statement_deadline(&deadline, timeout_ms);
+	res = guard_conn_exec(conn, st, clock_offset_s,
+						  timeout_ms > 0 ? &deadline : NULL, stop, err,
+						  uncertain);
+	if ((res == NULL || *uncertain) && err->timed_out)
+		guard_error(err, "statement timed out after %d ms", timeout_ms);
+	return res;
 }
 
 /*
@@ -385,17 +160,18 @@ guard_exec(PGconn *conn, const IdemGuardOptions *opts, const char *sql,
  * result whose commit is uncertain counts as a failure.  Text results.
  */
 static PGresult *
-call_exec(PGconn *conn, const GuardCall *gc, const char *sql_fmt,
-		  int nparams, const char *const *values, const int *lengths,
-		  const int *formats, GuardError *err)
+call_exec(const GuardCall *gc, const char *sql_fmt, int nparams,
+		  const char *const *values, const int *lengths, const int *formats,
+		  GuardError *err)
 {
 	char		sql[SQL_LEN];
+	GuardStatement st = {sql, nparams, values, lengths, formats, 0};
 	bool		uncertain;
 	PGresult   *res;
 
 	snprintf(sql, sizeof(sql), sql_fmt, gc->schema);
-	res = guard_exec(conn, gc->opts, sql, nparams, values, lengths, formats,
-					 0, err, &uncertain);
+	res = call_statement(gc->conn, &st, gc->opts->timeout_ms,
+						 gc->opts->clock_offset_s, NULL, err, &uncertain);
 	if (res != NULL && uncertain)
 	{
 		PQclear(res);
@@ -413,13 +189,14 @@ fail_step(IdemResult *res, IdemStep step, const GuardError *err)
 	memcpy(res->message, err->message, sizeof(res->message));
 }
 
-/* True if the fault hook makes op fail; sets *err if so. */
+/* True if the fault hook (NULL: none) makes op fail; sets *err if so. */
 static bool
-fault_fires(const IdemGuardOptions *opts, const char *op, GuardError *err)
+fault_fires(IdemFaultHook fault, void *fault_arg, const char *op,
+			GuardError *err)
 {
-	if (opts->fault == NULL || !opts->fault(opts->fault_arg, op))
+	if (fault == NULL || !fault(fault_arg, op))
 		return false;
-	set_error(err, "fault injected at %s", op);
+	guard_error(err, "fault injected at %s", op);
 	return true;
 }
 
@@ -427,19 +204,23 @@ fault_fires(const IdemGuardOptions *opts, const char *op, GuardError *err)
 static bool
 heartbeat_extend(IdemHeartbeat *hb, GuardError *err)
 {
-	const GuardCall *gc = hb->call;
 	const char *values[4];
+	GuardStatement st = {hb->sql, 4, values, NULL, NULL, 0};
+	bool		uncertain;
 	PGresult   *res;
 
-	if (fault_fires(gc->opts, "extend", err))
+	if (fault_fires(hb->fault, hb->fault_arg, "extend", err))
 		return false;
-	values[0] = gc->key;
-	values[1] = gc->token;
+	values[0] = hb->key;
+	values[1] = hb->token;
 	values[2] = hb->lease;
-	values[3] = gc->scope;
-	res = call_exec(hb->conn, gc, SQL_EXTEND, 4, values, NULL, NULL, err);
+	values[3] = hb->scope;
+	res = call_statement(hb->conn, &st, hb->timeout_ms, hb->clock_offset_s,
+						 &hb->stop, err, &uncertain);
+	if (res == NULL)
+		return false;
 	PQclear(res);
-	return res != NULL;
+	return !uncertain;
 }
 
 /* True if an idem_extend error means the claim is no longer ours. */
@@ -451,84 +232,78 @@ claim_gone(const GuardError *err)
 		strcmp(err->sqlstate, "ID004") == 0;
 }
 
-/*
- * Re-make the heartbeat's lost connection without blocking: give up after
- * one period or as soon as the heartbeat is being stopped (the next beat
- * tries again).  A host name is still resolved without a bound; use
- * hostaddr to avoid that.
- */
+/* Free the heartbeat and close its connection; its thread has ended. */
 static void
-heartbeat_reconnect(IdemHeartbeat *hb)
+heartbeat_free(IdemHeartbeat *hb)
 {
-	struct timespec deadline;
-	PostgresPollingStatusType st = PGRES_POLLING_WRITING;
-
-	clock_gettime(CLOCK_MONOTONIC, &deadline);
-	add_ms(&deadline, hb->period_ms);
-	if (!PQresetStart(hb->conn))
-		return;
-	while (st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED)
+	if (hb->conn != NULL)
 	{
-		struct pollfd pfd;
-		long		remaining = ms_until(&deadline);
-		int			rc;
-
-		if (remaining <= 0 || __atomic_load_n(&hb->stopping, __ATOMIC_SEQ_CST))
-			return;
-		pfd.fd = PQsocket(hb->conn);
-		if (pfd.fd < 0)
-			return;
-		pfd.events = (st == PGRES_POLLING_READING) ? POLLIN : POLLOUT;
-		pfd.revents = 0;
-		rc = poll(&pfd, 1, (int) (remaining < RECONNECT_SLICE_MS ?
-								  remaining : RECONNECT_SLICE_MS));
-		if (rc < 0 && errno != EINTR)
-			return;
-		if (rc > 0)
-			st = PQresetPoll(hb->conn);
+		/* The goodbye message must not wait for a stuck socket. */
+		PQsetnonblocking(hb->conn, 1);
+		PQfinish(hb->conn);
 	}
+	pthread_cond_destroy(&hb->wake);
+	pthread_cond_destroy(&hb->done);
+	pthread_mutex_destroy(&hb->lock);
+	free(hb->sql);
+	free(hb->key);
+	free(hb->scope);
+	free(hb);
 }
 
-/* Heartbeat thread: extend every period until stopped or the claim is lost. */
+/*
+ * Heartbeat thread: extend every period until stopped or the claim is
+ * lost.  A lost connection is re-made within one period (the next beat
+ * tries again).  At the end, the thread tells heartbeat_stop, or frees
+ * the heartbeat itself if heartbeat_stop stopped waiting for it.
+ */
 static void *
 heartbeat_main(void *arg)
 {
 	IdemHeartbeat *hb = arg;
 	struct timespec next;
+	bool		abandoned;
 
 	clock_gettime(CLOCK_MONOTONIC, &next);
-	pthread_mutex_lock(&hb->lock);
 	for (;;)
 	{
+		struct timespec reconnect_by;
 		GuardError	err;
 		bool		ok;
 
-		add_ms(&next, hb->period_ms);
-		while (!hb->stop &&
-			   pthread_cond_timedwait(&hb->cond, &hb->lock, &next) != ETIMEDOUT)
+		guard_time_add(&next, hb->period_ms);
+		pthread_mutex_lock(&hb->lock);
+		while (!guard_stop_requested(&hb->stop) &&
+			   pthread_cond_timedwait(&hb->wake, &hb->lock, &next) != ETIMEDOUT)
 			;
-		if (hb->stop)
-			break;
 		pthread_mutex_unlock(&hb->lock);
+		if (guard_stop_requested(&hb->stop))
+			break;
 
 		ok = heartbeat_extend(hb, &err);
-		if (!ok && PQstatus(hb->conn) != CONNECTION_OK)
-			heartbeat_reconnect(hb);
-
-		pthread_mutex_lock(&hb->lock);
 		if (ok)
-			hb->extends++;
-		else
+			atomic_fetch_add(&hb->extends, 1);
+		if (guard_stop_requested(&hb->stop))
+			break;
+		if (!ok && claim_gone(&err))
 		{
-			hb->err = err;
-			if (claim_gone(&err))
-			{
-				__atomic_store_n(&hb->lost, 1, __ATOMIC_SEQ_CST);
-				break;
-			}
+			atomic_store(&hb->lost, true);
+			break;
+		}
+		if (!ok && PQstatus(hb->conn) != CONNECTION_OK)
+		{
+			guard_time_after(&reconnect_by, hb->period_ms);
+			guard_conn_reset(hb->conn, &reconnect_by, &hb->stop);
 		}
 	}
+
+	pthread_mutex_lock(&hb->lock);
+	hb->finished = true;
+	abandoned = hb->abandoned;
+	pthread_cond_signal(&hb->done);
 	pthread_mutex_unlock(&hb->lock);
+	if (abandoned)
+		heartbeat_free(hb);
 	return NULL;
 }
 
@@ -541,60 +316,95 @@ static IdemHeartbeat *
 heartbeat_start(const GuardCall *gc, GuardError *err)
 {
 	IdemHeartbeat *hb = calloc(1, sizeof(IdemHeartbeat));
+	char		sql[SQL_LEN];
 	pthread_condattr_t attr;
 
 	if (hb == NULL)
 	{
-		set_error(err, "out of memory");
+		guard_error(err, "out of memory");
 		return NULL;
 	}
-	hb->conn = PQconnectdb(gc->opts->heartbeat_conninfo);
-	if (PQstatus(hb->conn) != CONNECTION_OK)
+	snprintf(sql, sizeof(sql), SQL_EXTEND, gc->schema);
+	hb->sql = strdup(sql);
+	hb->key = strdup(gc->key);
+	hb->scope = strdup(gc->scope);
+	if (hb->sql == NULL || hb->key == NULL || hb->scope == NULL)
 	{
-		set_error_text(err, NULL, PQerrorMessage(hb->conn));
-		PQfinish(hb->conn);
+		guard_error(err, "out of memory");
+		free(hb->sql);
+		free(hb->key);
+		free(hb->scope);
 		free(hb);
 		return NULL;
 	}
-	hb->call = gc;
+	snprintf(hb->token, sizeof(hb->token), "%s", gc->token);
 	snprintf(hb->lease, sizeof(hb->lease), "%ld milliseconds", gc->lease_ms);
 	hb->period_ms = (int) (gc->lease_ms / 3);
 	if (hb->period_ms < 1)
 		hb->period_ms = 1;
+	hb->timeout_ms = gc->opts->timeout_ms;
+	hb->clock_offset_s = gc->opts->clock_offset_s;
+	hb->fault = gc->opts->fault;
+	hb->fault_arg = gc->opts->fault_arg;
+	guard_stop_init(&hb->stop);
+	atomic_init(&hb->lost, false);
+	atomic_init(&hb->extends, 0);
 	pthread_mutex_init(&hb->lock, NULL);
 	pthread_condattr_init(&attr);
 	pthread_condattr_setclock(&attr, CLOCK_MONOTONIC);
-	pthread_cond_init(&hb->cond, &attr);
+	pthread_cond_init(&hb->wake, &attr);
+	pthread_cond_init(&hb->done, &attr);
 	pthread_condattr_destroy(&attr);
+
+	hb->conn = PQconnectdb(gc->opts->heartbeat_conninfo);
+	if (PQstatus(hb->conn) != CONNECTION_OK)
+	{
+		guard_error_text(err, NULL, PQerrorMessage(hb->conn));
+		heartbeat_free(hb);
+		return NULL;
+	}
 	if (pthread_create(&hb->thread, NULL, heartbeat_main, hb) != 0)
 	{
-		set_error(err, "could not start the heartbeat thread");
-		pthread_cond_destroy(&hb->cond);
-		pthread_mutex_destroy(&hb->lock);
-		PQfinish(hb->conn);
-		free(hb);
+		guard_error(err, "could not start the heartbeat thread");
+		heartbeat_free(hb);
 		return NULL;
 	}
 	return hb;
 }
 
-/* Stop and free the heartbeat; report what it did in *res. */
+/*
+ * Stop the heartbeat and report what it did in *res.  An extend in flight
+ * is cancelled within GUARD_CANCEL_GRACE_MS; a thread that has not ended
+ * shortly after is left to end on its own and free the heartbeat.
+ */
 static void
 heartbeat_stop(IdemHeartbeat *hb, IdemResult *res)
 {
-	__atomic_store_n(&hb->stopping, 1, __ATOMIC_SEQ_CST);
-	pthread_mutex_lock(&hb->lock);
-	hb->stop = true;
-	pthread_cond_signal(&hb->cond);
-	pthread_mutex_unlock(&hb->lock);
-	pthread_join(hb->thread, NULL);
+	struct timespec wait_until;
+	pthread_t	thread = hb->thread;
+	bool		finished;
 
-	res->extends = hb->extends;
-	res->superseded = __atomic_load_n(&hb->lost, __ATOMIC_SEQ_CST) != 0;
-	pthread_cond_destroy(&hb->cond);
-	pthread_mutex_destroy(&hb->lock);
-	PQfinish(hb->conn);
-	free(hb);
+	guard_stop_request(&hb->stop, GUARD_CANCEL_GRACE_MS);
+	guard_time_after(&wait_until, GUARD_CANCEL_GRACE_MS + HEARTBEAT_EXIT_MS);
+	pthread_mutex_lock(&hb->lock);
+	pthread_cond_signal(&hb->wake);
+	while (!hb->finished &&
+		   pthread_cond_timedwait(&hb->done, &hb->lock, &wait_until) != ETIMEDOUT)
+		;
+	finished = hb->finished;
+	hb->abandoned = !finished;
+	res->extends = atomic_load(&hb->extends);
+	res->superseded = atomic_load(&hb->lost);
+	pthread_mutex_unlock(&hb->lock);
+
+	/* Once abandoned, hb belongs to the thread. */
+	if (finished)
+	{
+		pthread_join(thread, NULL);
+		heartbeat_free(hb);
+	}
+	else
+		pthread_detach(thread);
 }
 
 /* Give up the claim with idem_release; returns true if the key is free. */
@@ -605,17 +415,17 @@ release_claim(const GuardCall *gc, GuardError *err)
 	PGresult   *res;
 	bool		released;
 
-	if (fault_fires(gc->opts, "release", err))
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "release", err))
 		return false;
 	values[0] = gc->key;
 	values[1] = gc->token;
 	values[2] = gc->scope;
-	res = call_exec(gc->conn, gc, SQL_RELEASE, 3, values, NULL, NULL, err);
+	res = call_exec(gc, SQL_RELEASE, 3, values, NULL, NULL, err);
 	if (res == NULL)
 		return false;
 	released = PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "t") == 0;
 	if (!released)
-		set_error(err, "idem_release found no claim to release");
+		guard_error(err, "idem_release found no claim to release");
 	PQclear(res);
 	return released;
 }
@@ -631,7 +441,7 @@ complete_claim(const GuardCall *gc, const IdemResponse *resp,
 	char		status[16];
 	PGresult   *res;
 
-	if (fault_fires(gc->opts, "complete", err))
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "complete", err))
 		return false;
 	snprintf(status, sizeof(status), "%d", resp->status);
 	values[0] = gc->key;
@@ -642,10 +452,11 @@ complete_claim(const GuardCall *gc, const IdemResponse *resp,
 	values[4] = gc->token;
 	values[5] = gc->retention;
 	values[6] = gc->scope;
-	res = call_exec(gc->conn, gc, SQL_COMPLETE, 7, values, lengths, formats,
-					err);
+	res = call_exec(gc, SQL_COMPLETE, 7, values, lengths, formats, err);
+	if (res == NULL)
+		return false;
 	PQclear(res);
-	return res != NULL;
+	return true;
 }
 
 /* A binary boolean of the claim row; false if NULL or malformed. */
@@ -684,7 +495,7 @@ copy_response(const GuardCall *gc, const PGresult *row, IdemResponse *resp)
 	GuardError	ignored;
 
 	(void) row_int(row, 3, 4, &status);
-	if (fault_fires(gc->opts, "replay", &ignored))
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "replay", &ignored))
 		return false;
 	if (PQgetisnull(row, 0, 4))
 		return idem_response_set(resp, (int) status, NULL, 0) == 0;
@@ -714,7 +525,7 @@ call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
 	gc->scope = opts->scope ? opts->scope : "";
 	if (strlen(schema) > SCHEMA_MAX)
 	{
-		set_error(err, "schema name \"%.63s...\" is longer than %d bytes",
+		guard_error(err, "schema name \"%.63s...\" is longer than %d bytes",
 				  schema, SCHEMA_MAX);
 		return false;
 	}
@@ -753,6 +564,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 {
 	const char *values[6];
 	char		sql[SQL_LEN];
+	GuardStatement st = {sql, 6, values, NULL, NULL, 1};
 	PGresult   *row;
 	GuardError	err;
 	bool		uncertain;
@@ -762,7 +574,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 
 	/* Any failure means no dedup protection, so do not run. */
 	res->outcome = IDEM_UNAVAILABLE;
-	if (fault_fires(gc->opts, "begin", &err))
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "begin", &err))
 	{
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
@@ -774,8 +586,8 @@ guard_claim(GuardCall *gc, IdemResult *res)
 	values[4] = gc->scope;
 	values[5] = gc->opts->wait ? "true" : "false";
 	snprintf(sql, sizeof(sql), SQL_BEGIN, gc->schema);
-	row = guard_exec(gc->conn, gc->opts, sql, 6, values, NULL, NULL, 1, &err,
-					 &uncertain);
+	row = call_statement(gc->conn, &st, gc->opts->timeout_ms,
+						 gc->opts->clock_offset_s, NULL, &err, &uncertain);
 	if (row == NULL)
 	{
 		fail_step(res, IDEM_STEP_BEGIN, &err);
@@ -785,7 +597,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 		PQgetisnull(row, 0, 1))
 	{
 		PQclear(row);
-		set_error(&err, "idem_begin returned an unexpected result");
+		guard_error(&err, "idem_begin returned an unexpected result");
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -799,7 +611,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 				res->outcome = IDEM_REPLAYED;
 			else
 			{
-				set_error(&err, "out of memory copying the stored response");
+				guard_error(&err, "out of memory copying the stored response");
 				fail_step(res, IDEM_STEP_REPLAY, &err);
 			}
 		}
@@ -814,7 +626,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 	if (!row_int(row, 2, 8, &token) || !row_int(row, 5, 8, &lease_ms))
 	{
 		PQclear(row);
-		set_error(&err, "idem_begin returned a claim without token or lease");
+		guard_error(&err, "idem_begin returned a claim without token or lease");
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -892,7 +704,7 @@ guard_finish(GuardCall *gc, int herr, IdemResult *res)
 	{
 		GuardError	rerr;
 
-		set_error(&err, "handler failed (%d)", herr);
+		guard_error(&err, "handler failed (%d)", herr);
 		fail_step(res, IDEM_STEP_HANDLER, &err);
 		if (gc->opts->keep_claim_on_error)
 			return;
@@ -991,7 +803,7 @@ bool
 idem_claim_lost(const IdemClaim *claim)
 {
 	return claim->heartbeat != NULL &&
-		__atomic_load_n(&claim->heartbeat->lost, __ATOMIC_SEQ_CST) != 0;
+		atomic_load(&claim->heartbeat->lost);
 }
 
 /* Name of an outcome, as in the Go guard. */

@@ -13,14 +13,19 @@
  *-------------------------------------------------------------------------
  */
 #include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -967,6 +972,468 @@ test_schema(PGconn *conn)
 	free(user);
 }
 
+/* Milliseconds since start on the monotonic clock. */
+static long
+elapsed_ms(const struct timespec *start)
+{
+	struct timespec now;
+
+	clock_gettime(CLOCK_MONOTONIC, &now);
+	return (now.tv_sec - start->tv_sec) * 1000L +
+		(now.tv_nsec - start->tv_nsec) / 1000000L;
+}
+
+/*
+ * How long the proxy holds a cancel request, and the lock test a row: the
+ * bound the cases below must return well within.
+ */
+#define HOLD_MS				30000
+
+#define PROXY_SLOTS			8
+#define CANCEL_REQUEST_CODE	80877102
+
+/* One connection through the proxy. */
+typedef struct ProxySlot
+{
+	int			client;			/* -1: slot free */
+	int			server;			/* -1: a held cancel request */
+	struct timespec held_since;
+} ProxySlot;
+
+/*
+ * A proxy in front of the server that holds cancel requests, as some
+ * poolers and proxies do: it relays every other connection to the server,
+ * and reads a cancel request and whatever follows without ever answering,
+ * until HOLD_MS have passed or the proxy stops.  libpq sends a cancel
+ * request to the host and port of the connection, so a connection made
+ * through the proxy has its cancels held.
+ */
+typedef struct Proxy
+{
+	int			listen_fd;
+	int			port;
+	int			wake[2];		/* a byte on wake[1] stops the proxy */
+	char		server_host[256];	/* where connections are relayed */
+	char		server_port[16];
+	pthread_t	thread;
+	ProxySlot	slots[PROXY_SLOTS];
+	atomic_int	cancels;		/* cancel requests received */
+	atomic_int	let_go;			/* held requests closed after HOLD_MS */
+} Proxy;
+
+/* A socket connected to the server that admin reaches, or -1. */
+static int
+proxy_server_socket(const Proxy *px)
+{
+	struct addrinfo hints;
+	struct addrinfo *ai;
+	int			fd;
+
+	if (px->server_host[0] == '/')
+	{
+		struct sockaddr_un un;
+
+		int			len;
+
+		memset(&un, 0, sizeof(un));
+		un.sun_family = AF_UNIX;
+		len = snprintf(un.sun_path, sizeof(un.sun_path), "%s/.s.PGSQL.%s",
+					   px->server_host, px->server_port);
+		if (len < 0 || len >= (int) sizeof(un.sun_path))
+			return -1;
+		fd = socket(AF_UNIX, SOCK_STREAM, 0);
+		if (fd >= 0 && connect(fd, (struct sockaddr *) &un, sizeof(un)) != 0)
+		{
+			close(fd);
+			fd = -1;
+		}
+		return fd;
+	}
+	memset(&hints, 0, sizeof(hints));
+	hints.ai_socktype = SOCK_STREAM;
+	if (getaddrinfo(px->server_host, px->server_port, &hints, &ai) != 0)
+		return -1;
+	fd = socket(ai->ai_family, SOCK_STREAM, 0);
+	if (fd >= 0 && connect(fd, ai->ai_addr, ai->ai_addrlen) != 0)
+	{
+		close(fd);
+		fd = -1;
+	}
+	freeaddrinfo(ai);
+	return fd;
+}
+
+/* Write all of buf to a socket; false if the peer is gone. */
+static bool
+send_all(int fd, const char *buf, size_t len)
+{
+	while (len > 0)
+	{
+		ssize_t		n = send(fd, buf, len, MSG_NOSIGNAL);
+
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n <= 0)
+			return false;
+		buf += n;
+		len -= (size_t) n;
+	}
+	return true;
+}
+
+/* Close a slot's sockets and free it. */
+static void
+proxy_close(ProxySlot *slot)
+{
+	close(slot->client);
+	if (slot->server >= 0)
+		close(slot->server);
+	slot->client = -1;
+	slot->server = -1;
+}
+
+/*
+ * Take a new connection: its first 8 bytes tell a cancel request (held)
+ * from a startup packet (relayed, those bytes first).
+ */
+static void
+proxy_accept(Proxy *px)
+{
+	struct timeval tv = {5, 0};
+	unsigned char head[8];
+	uint32_t	code;
+	ProxySlot  *slot = NULL;
+	int			fd = accept(px->listen_fd, NULL, NULL);
+	int			i;
+
+	if (fd < 0)
+		return;
+	for (i = 0; i < PROXY_SLOTS && slot == NULL; i++)
+		if (px->slots[i].client < 0)
+			slot = &px->slots[i];
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+	if (slot == NULL || recv(fd, head, sizeof(head), MSG_WAITALL) != 8)
+	{
+		close(fd);
+		return;
+	}
+	memcpy(&code, head + 4, sizeof(code));
+	slot->client = fd;
+	if (ntohl(code) == CANCEL_REQUEST_CODE)
+	{
+		slot->server = -1;
+		clock_gettime(CLOCK_MONOTONIC, &slot->held_since);
+		atomic_fetch_add(&px->cancels, 1);
+		return;
+	}
+	slot->server = proxy_server_socket(px);
+	if (slot->server < 0 || !send_all(slot->server, (char *) head, 8))
+		proxy_close(slot);
+}
+
+/* Data on one side of a slot: relay it, or drop it if the slot is held. */
+static void
+proxy_pass(ProxySlot *slot, int fd)
+{
+	char		buf[8192];
+	ssize_t		n = recv(fd, buf, sizeof(buf), 0);
+
+	if (n < 0 && errno == EINTR)
+		return;
+	if (n <= 0)
+		proxy_close(slot);
+	else if (slot->server >= 0 &&
+			 !send_all(fd == slot->client ? slot->server : slot->client,
+					   buf, (size_t) n))
+		proxy_close(slot);
+}
+
+/* Proxy thread: relay and hold until woken to stop. */
+static void *
+proxy_main(void *arg)
+{
+	Proxy	   *px = arg;
+	int			i;
+
+	for (;;)
+	{
+		struct pollfd pfds[2 + 2 * PROXY_SLOTS];
+		ProxySlot  *owner[2 + 2 * PROXY_SLOTS];
+		int			n = 2;
+		int			timeout = -1;
+		int			k;
+
+		pfds[0].fd = px->wake[0];
+		pfds[1].fd = px->listen_fd;
+		pfds[0].events = pfds[1].events = POLLIN;
+		for (i = 0; i < PROXY_SLOTS; i++)
+		{
+			ProxySlot  *slot = &px->slots[i];
+
+			if (slot->client < 0)
+				continue;
+			if (slot->server < 0)
+			{
+				long		left = HOLD_MS - elapsed_ms(&slot->held_since);
+
+				if (left <= 0)
+				{
+					proxy_close(slot);
+					atomic_fetch_add(&px->let_go, 1);
+					continue;
+				}
+				if (timeout < 0 || left < timeout)
+					timeout = (int) left;
+			}
+			else
+			{
+				pfds[n].fd = slot->server;
+				pfds[n].events = POLLIN;
+				owner[n++] = slot;
+			}
+			pfds[n].fd = slot->client;
+			pfds[n].events = POLLIN;
+			owner[n++] = slot;
+		}
+		for (k = 0; k < n; k++)
+			pfds[k].revents = 0;
+		if (poll(pfds, n, timeout) < 0 && errno != EINTR)
+			break;
+		if (pfds[0].revents != 0)
+			break;
+		if (pfds[1].revents & POLLIN)
+			proxy_accept(px);
+		for (k = 2; k < n; k++)
+		{
+			/* Skip a side whose slot an earlier pass closed. */
+			if (pfds[k].revents != 0 &&
+				(pfds[k].fd == owner[k]->client ||
+				 pfds[k].fd == owner[k]->server))
+				proxy_pass(owner[k], pfds[k].fd);
+		}
+	}
+	for (i = 0; i < PROXY_SLOTS; i++)
+		if (px->slots[i].client >= 0)
+			proxy_close(&px->slots[i]);
+	return NULL;
+}
+
+/* Start the proxy on a free local port, relaying to admin's server. */
+static void
+proxy_start(Proxy *px)
+{
+	struct sockaddr_in addr;
+	socklen_t	len = sizeof(addr);
+	int			i;
+
+	memset(px, 0, sizeof(Proxy));
+	for (i = 0; i < PROXY_SLOTS; i++)
+		px->slots[i].client = px->slots[i].server = -1;
+	atomic_init(&px->cancels, 0);
+	atomic_init(&px->let_go, 0);
+	snprintf(px->server_host, sizeof(px->server_host), "%s", PQhost(admin));
+	snprintf(px->server_port, sizeof(px->server_port), "%s", PQport(admin));
+	px->listen_fd = socket(AF_INET, SOCK_STREAM, 0);
+	memset(&addr, 0, sizeof(addr));
+	addr.sin_family = AF_INET;
+	addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+	if (px->listen_fd < 0 ||
+		bind(px->listen_fd, (struct sockaddr *) &addr, sizeof(addr)) != 0 ||
+		getsockname(px->listen_fd, (struct sockaddr *) &addr, &len) != 0 ||
+		listen(px->listen_fd, 8) != 0 || pipe(px->wake) != 0 ||
+		pthread_create(&px->thread, NULL, proxy_main, px) != 0)
+	{
+		fprintf(stderr, "guard_test: cannot start the proxy\n");
+		exit(2);
+	}
+	px->port = ntohs(addr.sin_port);
+}
+
+/* Stop the proxy: every connection through it, held or not, is closed. */
+static void
+proxy_stop(Proxy *px)
+{
+	if (write(px->wake[1], "x", 1) != 1)
+		fprintf(stderr, "guard_test: cannot wake the proxy\n");
+	pthread_join(px->thread, NULL);
+	close(px->wake[0]);
+	close(px->wake[1]);
+	close(px->listen_fd);
+}
+
+/*
+ * A cancel is bounded by the deadline: the guard's connection goes through
+ * the proxy, which holds cancel requests, and its claim waits for another
+ * session's uncommitted claim.  The client timeout cancels it; the guard
+ * gives the connection up and returns while the request is still held
+ * (libpq's PQcancel would block until the proxy lets it go).
+ */
+static void
+test_cancel_held(void)
+{
+	Proxy		px;
+	char		proxied[1024];
+	const char *open_claim[2] = {"cancel-held", SCOPE};
+	PGconn	   *conn;
+	PGconn	   *other;
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	int			pid;
+	int			let_go;
+	bool		conn_ok;
+	int			i;
+
+	proxy_start(&px);
+	snprintf(proxied, sizeof(proxied),
+			 "host=127.0.0.1 port=%d dbname=%s user=%s sslmode=disable"
+			 " gssencmode=disable", px.port, PQdb(admin), PQuser(admin));
+	conn = connect_or_die(proxied);
+	pid = PQbackendPID(conn);
+	other = connect_or_die(conninfo);
+	PQclear(query(other, "BEGIN", 0, NULL));
+	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
+				  2, open_claim));
+
+	opts_init(&opts);
+	opts.timeout_ms = 300;
+	ctx_init(&ctx);
+	run(conn, &opts, "cancel-held", "fp", &ctx, &res);
+	let_go = atomic_load(&px.let_go);
+	conn_ok = PQstatus(conn) == CONNECTION_OK;
+	/* The request may reach the proxy after the guard gave up waiting. */
+	for (i = 0; i < POLL_LIMIT && atomic_load(&px.cancels) == 0; i++)
+		sleep_ms(10);
+
+	/* The claim still waits on the server: end it, then its blocker. */
+	terminate(pid);
+	PQclear(query(other, "ROLLBACK", 0, NULL));
+	printf("cancel_held: outcome=%s failed=%s message=%s calls=%d cancel_sent=%s returned_while_held=%s conn=%s state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, ctx.calls,
+		   atomic_load(&px.cancels) > 0 ? "yes" : "no",
+		   let_go == 0 ? "yes" : "no", conn_ok ? "ok" : "bad",
+		   key_state("cancel-held"));
+	idem_result_clear(&res);
+	PQfinish(other);
+	PQfinish(conn);
+	proxy_stop(&px);
+}
+
+/* The lock test's watcher: what it needs and what it found. */
+typedef struct LockWatch
+{
+	pthread_t	thread;
+	bool		started;
+	PGconn	   *holder;			/* holds the key's row FOR UPDATE */
+	int			guard_pid;		/* backend of the guard's connection */
+	atomic_bool returned;		/* the guard call has returned */
+	bool		prompt;			/* the guard went on before HOLD_MS */
+} LockWatch;
+
+static LockWatch lock_watch;
+
+/*
+ * Watcher thread: wait until the guard has gone past stopping its
+ * heartbeat (its idem_complete waits for the row, or the call returned),
+ * for at most HOLD_MS, then let the row go.
+ */
+static void *
+lock_watch_main(void *arg)
+{
+	LockWatch  *lw = arg;
+	PGconn	   *watch = connect_or_die(conninfo);
+	struct timespec start;
+	char		pid[16];
+	const char *values[1] = {pid};
+
+	clock_gettime(CLOCK_MONOTONIC, &start);
+	snprintf(pid, sizeof(pid), "%d", lw->guard_pid);
+	while (!lw->prompt && elapsed_ms(&start) < HOLD_MS)
+	{
+		char	   *v = query_value(watch,
+									"SELECT wait_event_type = 'Lock'"
+									" AND query LIKE '%idem_complete%'"
+									" FROM pg_stat_activity"
+									" WHERE pid = $1::integer", 1, values);
+
+		lw->prompt = strcmp(v, "t") == 0 || atomic_load(&lw->returned);
+		free(v);
+		if (!lw->prompt)
+			sleep_ms(10);
+	}
+	PQclear(query(lw->holder, "COMMIT", 0, NULL));
+	PQfinish(watch);
+	return NULL;
+}
+
+/*
+ * "during" step: hold the key's row FOR UPDATE in another session until
+ * the heartbeat's idem_extend waits for it, then leave the row to the
+ * watcher and return.
+ */
+static void
+during_lock_row(Ctx *ctx, const IdemClaim *claim)
+{
+	const char *values[2] = {claim->scope, claim->key};
+	int			i;
+
+	lock_watch.holder = connect_or_die(conninfo);
+	lock_watch.guard_pid = PQbackendPID(ctx->guard_conn);
+	PQclear(query(lock_watch.holder, "BEGIN", 0, NULL));
+	PQclear(query(lock_watch.holder, "SELECT 1 FROM idem.keys"
+				  " WHERE scope = $1 AND key = $2 FOR UPDATE", 2, values));
+	for (i = 0; i < POLL_LIMIT && !ctx->flag; i++)
+	{
+		char	   *n = query_value(admin, "SELECT count(*) FROM pg_stat_activity"
+									" WHERE application_name = 'guard_hb_lock'"
+									" AND wait_event_type = 'Lock'", 0, NULL);
+
+		ctx->flag = strcmp(n, "1") == 0;
+		free(n);
+		if (!ctx->flag)
+			sleep_ms(10);
+	}
+	lock_watch.started = pthread_create(&lock_watch.thread, NULL,
+										lock_watch_main, &lock_watch) == 0;
+}
+
+/*
+ * Stopping the heartbeat does not wait for its idem_extend, which waits
+ * (no client timeout) for a row another session holds for up to HOLD_MS:
+ * the extend is cancelled, the guard goes on to complete, and the
+ * response is stored once the row is let go.
+ */
+static void
+test_heartbeat_stop_lock(PGconn *conn)
+{
+	char	   *hb_conninfo = conninfo_with("application_name=guard_hb_lock");
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	memset(&lock_watch, 0, sizeof(lock_watch));
+	atomic_init(&lock_watch.returned, false);
+	opts_init(&opts);
+	opts.lease_ms = 3000;
+	opts.heartbeat_conninfo = hb_conninfo;
+	ctx_init(&ctx);
+	ctx.during = during_lock_row;
+	ctx.guard_conn = conn;
+	run(conn, &opts, "heartbeat-lock", "fp", &ctx, &res);
+	atomic_store(&lock_watch.returned, true);
+	if (lock_watch.started)
+		pthread_join(lock_watch.thread, NULL);
+	PQfinish(lock_watch.holder);
+	printf("heartbeat_stop_lock: outcome=%s failed=%s extend_waited=%s stop_prompt=%s superseded=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.flag ? "yes" : "no", lock_watch.prompt ? "yes" : "no",
+		   res.superseded ? "yes" : "no", ctx.calls,
+		   key_state("heartbeat-lock"));
+	idem_result_clear(&res);
+	free(hb_conninfo);
+}
+
 /*
  * True if a commit on conn waits (for a synchronous standby): a claim of
  * a key in the scope "probe" does not answer within 200 ms.  It is then
@@ -1080,6 +1547,8 @@ main(int argc, char **argv)
 	test_heartbeat_reset(conn);
 	test_replay_failure(conn);
 	test_schema(conn);
+	test_cancel_held();
+	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 
 	PQfinish(conn);

@@ -1,8 +1,9 @@
 # The client guard (guard/idem_guard.c) against a live server: every
 # outcome, a fault at each step (begin, handler, complete, release,
-# replay), the heartbeat (with the server's default lease, and re-connecting
-# to a host that never answers), a superseded token, eight threads on one
-# key, schema-qualified calls, and a timeout after the claim committed.
+# replay), the heartbeat (with the server's default lease, re-connecting
+# to a host that never answers, and stopped while its extend waits for a
+# row lock), a superseded token, eight threads on one key, schema-qualified
+# calls, a timeout after the claim committed, and a cancel held by a proxy.
 # The test program test/guard/guard_test prints one line per case; each
 # line must be exactly as listed here.
 use strict;
@@ -114,6 +115,16 @@ my @expected = (
 	# locally, while the commit waits for a synchronous standby: the claim
 	# is used, not thrown away.
 	[ timeout_after_commit => 'outcome=EXECUTED failed=none calls=1 state=DONE' ],
+	# A cancel is bounded by the statement's deadline: the guard's
+	# connection goes through a proxy that holds cancel requests for 30 s,
+	# and the guard gives the connection up and returns while the request
+	# is still held.
+	[ cancel_held => 'outcome=UNAVAILABLE failed=begin message=statement timed out after 300 ms calls=0 cancel_sent=yes returned_while_held=yes conn=bad state=NONE' ],
+	# Stopping the heartbeat does not wait for its idem_extend, which waits
+	# for the key's row, held FOR UPDATE by another session for up to 30 s:
+	# the extend is cancelled, the guard goes on to complete, and the
+	# response is stored once the row is let go.
+	[ heartbeat_stop_lock => 'outcome=EXECUTED failed=none extend_waited=yes stop_prompt=yes superseded=no calls=1 state=DONE' ],
 	[ done => '' ]);
 
 foreach my $case (@expected)

@@ -1,0 +1,78 @@
+/*-------------------------------------------------------------------------
+ *
+ * guard_conn.h
+ *	  The guard's connection core: one statement at a time over libpq,
+ *	  never blocking past a deadline.  Private to libidem_guard.
+ *
+ * A deadline is a CLOCK_MONOTONIC time; NULL means none.  A statement
+ * gets its answer until GUARD_CANCEL_GRACE_MS before its deadline; then
+ * it is cancelled, and a connection whose statement has not ended by the
+ * deadline is shut down, so that it reports itself broken.
+ *
+ *-------------------------------------------------------------------------
+ */
+#ifndef GUARD_CONN_H
+#define GUARD_CONN_H
+
+#include <stdatomic.h>
+#include <stdbool.h>
+#include <time.h>
+
+#include <libpq-fe.h>
+
+/* How long a cancel and the end of the statement it stops may take. */
+#define GUARD_CANCEL_GRACE_MS	1000
+
+/* Why a server call failed. */
+typedef struct GuardError
+{
+	char		sqlstate[6];
+	char		message[256];
+	bool		timed_out;		/* the deadline cut the statement short */
+} GuardError;
+
+/* One statement with its parameters, as PQsendQueryParams takes them. */
+typedef struct GuardStatement
+{
+	const char *sql;
+	int			nparams;
+	const char *const *values;
+	const int  *lengths;
+	const int  *formats;
+	int			result_format;	/* 0 text, 1 binary */
+} GuardStatement;
+
+/*
+ * A request from another thread to stop waiting: the statement in flight
+ * is cancelled and given up by the request's deadline.
+ */
+typedef struct GuardStop
+{
+	atomic_bool requested;
+	struct timespec deadline;	/* written before requested is set */
+} GuardStop;
+
+extern void guard_error(GuardError *err, const char *fmt,...)
+			__attribute__((format(printf, 2, 3)));
+extern void guard_error_text(GuardError *err, const char *sqlstate,
+							 const char *text);
+
+extern void guard_time_add(struct timespec *ts, long ms);
+extern void guard_time_after(struct timespec *ts, long ms);
+extern long guard_ms_until(const struct timespec *deadline);
+extern void guard_statement_deadline(struct timespec *deadline,
+									 int timeout_ms);
+
+extern void guard_stop_init(GuardStop *stop);
+extern void guard_stop_request(GuardStop *stop, long grace_ms);
+extern bool guard_stop_requested(GuardStop *stop);
+
+extern PGresult *guard_conn_exec(PGconn *conn, const GuardStatement *st,
+								 int clock_offset_s,
+								 const struct timespec *deadline,
+								 GuardStop *stop, GuardError *err,
+								 bool *uncertain);
+extern bool guard_conn_reset(PGconn *conn, const struct timespec *deadline,
+							 GuardStop *stop);
+
+#endif							/* GUARD_CONN_H */
