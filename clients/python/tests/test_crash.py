@@ -40,6 +40,7 @@ def test_connection_cut_mid_request_then_takeover_after_lease(db):
         r = httpx.post(server.url + "/req/hang", content=b"sku=A", headers=headers,
                        timeout=30)
         assert r.status_code == 409                         # lease not over
+        assert 500 < int(r.headers["retry-after"]) <= LEASE  # until the lease ends
         assert calls(db, key=key) == 1
 
         moved = httpx.post(server.url + "/_test/clock", json={"offset": LEASE + 1},

@@ -340,7 +340,8 @@ def test_every_call_is_schema_qualified(dsn, db):
     r = g.do(key, FP, h)
     assert r.outcome is Outcome.EXECUTED and len(h.claims) == 1
     assert lookup(db, key)["state"] == "DONE"
-    for stmt in (g.sql.begin, g.sql.complete, g.sql.release, g.sql.extend):
+    for stmt in (g.sql.begin, g.sql.begin_wait, g.sql.complete, g.sql.release,
+                 g.sql.extend):
         text = stmt.as_string(db)
         assert '"public".idem_' in text and "%s::" in text
     assert "%b::bytea" in g.sql.complete.as_string(db)

@@ -4,9 +4,12 @@ separate process) and Flask under werkzeug, with httpx as the client."""
 import concurrent.futures
 import random
 import threading
+import time
 
 import httpx
 import pytest
+
+from idem_pg._http import DEFAULT_WAIT_FOR, Settings
 
 from conftest import calls, lookup, new_key, wait_for
 
@@ -82,30 +85,50 @@ def test_binary_body_replayed_byte_for_byte(server, db):
     assert calls(db, key=key) == 1
 
 
-def test_in_flight_is_409_with_retry_after(server, db):
+def _gated_duplicate(server, db, mount):
+    """The first request's handler waits for an advisory lock the test
+    holds until a duplicate is answered; returns that answer, how long it
+    took, and the first request's answer."""
     key = new_key("inflight")
     gate = random.getrandbits(62)
-    path = "/req/gated?gate=%d" % gate
+    path = "/%s/gated?gate=%d" % (mount, gate)
     first = {}
-    # the first request's handler waits for this lock until the second is answered
     db.execute("SELECT pg_advisory_lock(%s::bigint)", [gate])
     t = threading.Thread(target=lambda: first.update(r=post(server, path, key)))
     t.start()
     try:
         wait_for(lambda: (lookup(db, key) or {}).get("state") == "PROCESSING",
                  what="the first request's claim")
+        start = time.monotonic()
         r = post(server, path, key)
-        assert r.status_code == 409
-        assert r.headers["retry-after"] == "1"
-        assert r.headers["content-type"] == "application/problem+json"
+        elapsed = time.monotonic() - start
     finally:
         db.execute("SELECT pg_advisory_unlock(%s::bigint)", [gate])
         t.join(30)
     assert first["r"].status_code == 201
     assert calls(db, key=key) == 1
-    r = post(server, path, key)
-    assert r.status_code == 201 and r.headers[REPLAYED] == "true"
+    again = post(server, path, key)
+    assert again.status_code == 201 and again.headers[REPLAYED] == "true"
+    assert again.content == first["r"].content
     assert calls(db, key=key) == 1
+    return r, elapsed
+
+
+def test_in_flight_after_the_wait_is_409_with_retry_after_from_lease(server, db):
+    r, elapsed = _gated_duplicate(server, db, "opt")    # /opt/gated waits 1 s
+    assert r.status_code == 409
+    assert r.headers["content-type"] == "application/problem+json"
+    assert elapsed >= 0.9                                # it waited
+    # the seconds left of the first request's 30 s lease, not retry_after=1
+    assert 20 <= int(r.headers["retry-after"]) <= 30
+
+
+def test_in_flight_without_wait_is_409_at_once(server, db):
+    """/store has wait_for=0: no wait, although its guard has wait_for=30."""
+    r, elapsed = _gated_duplicate(server, db, "store")
+    assert r.status_code == 409
+    assert elapsed < 15
+    assert 20 <= int(r.headers["retry-after"]) <= 30
 
 
 def test_payload_reuse_is_422(server, db):
@@ -195,3 +218,42 @@ def test_concurrent_retries_execute_once(server, db):
     assert len(executed) + len(replayed) + len(in_flight) == 8
     assert all(r.content == executed[0].content for r in replayed)
     assert calls(db, key=key) == 1
+
+
+def test_concurrent_duplicates_wait_and_replay(server, db):
+    """20 POSTs with one key to a handler that takes 2 s: the duplicates
+    wait (5 s, the default under /req) and replay the first response."""
+    key = new_key("wait20")
+    with concurrent.futures.ThreadPoolExecutor(20) as pool:
+        rs = list(pool.map(lambda _: post(server, "/req/slow?ms=2000", key), range(20)))
+    codes = [r.status_code for r in rs]
+    executed = [r for r in rs if r.status_code == 201 and REPLAYED not in r.headers]
+    replayed = [r for r in rs if r.status_code == 201 and r.headers.get(REPLAYED) == "true"]
+    assert len(executed) == 1, codes
+    assert len(replayed) == 19, codes
+    assert codes.count(409) == 0
+    assert all(r.content == executed[0].content for r in replayed)
+    assert all(r.headers["location"] == executed[0].headers["location"] for r in replayed)
+    assert calls(db, key=key) == 1
+
+
+def test_settings_wait_for():
+    assert DEFAULT_WAIT_FOR == 5.0 and Settings().wait_of({}) == 5.0
+    assert Settings(wait_for=None).wait_of({}) == 0.0
+    assert Settings(wait_for=0).wait_of({}) == 0.0
+    per_route = Settings(wait_for=lambda req: 30 if req["path"] == "/reports" else None)
+    assert per_route.wait_of({"path": "/reports"}) == 30.0
+    assert per_route.wait_of({"path": "/orders"}) == 0.0
+    with pytest.raises(ValueError):
+        Settings(wait_for=-1)
+    s = Settings(retry_after=7)
+
+    def retry_after(lease_left):
+        status, headers, _ = s.in_flight(lease_left)
+        assert status == 409
+        return dict(headers)["retry-after"]
+
+    assert retry_after(None) == "7"          # no lease_until from the server
+    assert retry_after(29.2) == "30"         # seconds until lease_until, rounded up
+    assert retry_after(0.2) == "1"           # at least 1
+    assert retry_after(-3.0) == "1"

@@ -61,7 +61,9 @@ class Result:
     ``failed_step`` is None, "begin", "heartbeat", "handler" or "complete";
     ``error`` the exception of that step.  EXECUTED with failed_step
     "complete" means the handler ran but its response is not stored: the
-    key stays PROCESSING until its lease ends.
+    key stays PROCESSING until its lease ends.  IN_FLIGHT carries the
+    holder's ``lease_until`` and ``lease_left``, the seconds from the
+    server's clock to it (when to try again), if the server named them.
     """
 
     outcome: Outcome
@@ -72,6 +74,8 @@ class Result:
     released: bool = False
     extends: int = 0
     superseded: bool = False
+    lease_until: Optional[_dt.datetime] = None
+    lease_left: Optional[float] = None
 
     @property
     def ok(self) -> bool:
@@ -147,14 +151,34 @@ def seconds(value: Seconds) -> Optional[float]:
     return float(value)
 
 
-def offset_text(clock_offset: Any) -> Optional[str]:
-    """idem.clock_offset for this call (a number, timedelta or a callable
-    returning one); None when not moved."""
+def offset_seconds(clock_offset: Any) -> float:
+    """idem.clock_offset for this call in seconds (a number, timedelta or a
+    callable returning one); 0 when not moved."""
     value = clock_offset() if callable(clock_offset) else clock_offset
-    s = seconds(value)
-    if not s:
+    return seconds(value) or 0.0
+
+
+def offset_text(offset_s: float) -> Optional[str]:
+    """idem.clock_offset as a setting; None when not moved."""
+    if not offset_s:
         return None
-    return "%d ms" % round(s * 1000)
+    return "%d ms" % round(offset_s * 1000)
+
+
+def wait_seconds(value: Seconds) -> Optional[float]:
+    """A wait_for as positive seconds, or None for no wait (None or 0)."""
+    s = seconds(value)
+    if s is None or s == 0:
+        return None
+    if s < 0 or s != s:
+        raise ValueError("wait_for must be a number of seconds, 0 or more, got %r" % (value,))
+    return s
+
+
+def check_wait(wait: bool, wait_for: Seconds) -> None:
+    if not wait and wait_seconds(wait_for):
+        raise ValueError("wait=False and a wait_for: a caller that never waits "
+                         "for a holder cannot wait for its answer")
 
 
 class Statements:
@@ -166,9 +190,20 @@ class Statements:
             raise ValueError("schema must not be empty")
         s = sql.Identifier(schema)
         self.schema = schema
+        # The server's clock, read once idem_begin has answered, dates the
+        # lease_until of an in-flight answer without trusting this host's.
         self.begin = sql.SQL(
-            "SELECT claimed, state, token, status, body FROM {}.idem_begin("
+            "SELECT claimed, state, token, status, body, lease_until, expires_at,"
+            " pg_catalog.clock_timestamp() FROM {}.idem_begin("
             "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean)"
+        ).format(s)
+        # Only when the caller asks for a wait: an extension older than
+        # idem_begin's wait_for still answers six arguments.
+        self.begin_wait = sql.SQL(
+            "SELECT claimed, state, token, status, body, lease_until, expires_at,"
+            " pg_catalog.clock_timestamp() FROM {}.idem_begin("
+            "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean,"
+            " %s::interval)"
         ).format(s)
         self.complete = sql.SQL(
             "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea, "
@@ -199,20 +234,30 @@ class Statements:
 
 @dataclass(frozen=True)
 class BeginRow:
-    """The row idem_begin answered."""
+    """The row idem_begin answered.  ``lease_left``: seconds from the
+    server's clock (idem.clock_offset included) to ``lease_until``."""
 
     claimed: bool
     state: str
     token: Optional[int]
     status: Optional[int]
     body: Optional[bytes]
+    lease_until: Optional[_dt.datetime] = None
+    expires_at: Optional[_dt.datetime] = None
+    lease_left: Optional[float] = None
 
     @classmethod
-    def of(cls, row) -> "BeginRow":
-        claimed, state, token, status, body = row
+    def of(cls, row, offset_s: float = 0.0) -> "BeginRow":
+        claimed, state, token, status, body = row[:5]
+        lease_until = row[5] if len(row) > 5 else None
+        expires_at = row[6] if len(row) > 6 else None
+        now = row[7] if len(row) > 7 else None
         if body is not None and not isinstance(body, bytes):
             body = bytes(body)
-        return cls(bool(claimed), state, token, status, body)
+        left = None
+        if lease_until is not None and now is not None:
+            left = (lease_until - now).total_seconds() - offset_s
+        return cls(bool(claimed), state, token, status, body, lease_until, expires_at, left)
 
     def outcome(self) -> Outcome:
         if self.claimed:

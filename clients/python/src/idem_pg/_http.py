@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple
+import math
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+
+from ._common import wait_seconds
 
 Headers = List[Tuple[str, str]]
 
@@ -15,6 +18,9 @@ DEFAULT_STORED_HEADERS = ("content-type", "content-encoding", "content-language"
                           "link", "cache-control")
 
 _MAGIC = b"idem-http/1\n"
+
+# How long a duplicate of a request in flight waits for its answer.
+DEFAULT_WAIT_FOR = 5.0
 
 
 def default_fingerprint(method: str, path: str, body: bytes) -> str:
@@ -49,7 +55,12 @@ def problem(status: int, title: str, extra: Optional[Headers] = None) -> Tuple[i
 
 
 class Settings:
-    """Middleware settings (see README): the same for ASGI and WSGI."""
+    """Middleware settings (see README): the same for ASGI and WSGI.
+
+    ``wait_for``: seconds a duplicate of a request in flight waits for the
+    first one's response (None or 0: 409 at once), or a function of the
+    ASGI scope or WSGI environ returning them, for a wait per route.
+    """
 
     def __init__(self, *, header: str = "Idempotency-Key",
                  methods: Iterable[str] = ("POST", "PATCH"), required: bool = False,
@@ -59,7 +70,8 @@ class Settings:
                  replay_header: Optional[str] = "Idempotent-Replayed",
                  retry_after: int = 1,
                  stored_headers: Sequence[str] = DEFAULT_STORED_HEADERS,
-                 max_key_length: int = 255):
+                 max_key_length: int = 255,
+                 wait_for: Union[None, float, Callable[[Any], Optional[float]]] = DEFAULT_WAIT_FOR):
         self.header = header
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
@@ -70,6 +82,14 @@ class Settings:
         self.retry_after = retry_after
         self.stored_headers = frozenset(h.lower() for h in stored_headers)
         self.max_key_length = max_key_length
+        if not callable(wait_for):
+            wait_seconds(wait_for)          # a bad number fails here, not per request
+        self.wait_for = wait_for
+
+    def wait_of(self, request: Any) -> float:
+        """The wait for this request (ASGI scope or WSGI environ); 0: none."""
+        w = self.wait_for(request) if callable(self.wait_for) else self.wait_for
+        return wait_seconds(w) or 0.0
 
     def kept(self, headers: Headers) -> Headers:
         return [(k, v) for k, v in headers if k.lower() in self.stored_headers]
@@ -92,9 +112,14 @@ class Settings:
             headers.append((self.replay_header, "true"))
         return status, headers, body
 
-    def in_flight(self) -> Tuple[int, Headers, bytes]:
+    def in_flight(self, lease_left: Optional[float] = None) -> Tuple[int, Headers, bytes]:
+        """409; Retry-After: the seconds left of the holder's lease when
+        the server named it (at least 1), else ``retry_after``."""
+        after = self.retry_after
+        if lease_left is not None:
+            after = max(1, math.ceil(lease_left))
         return problem(409, "a request with this %s is being processed" % self.header,
-                       [("retry-after", str(self.retry_after))])
+                       [("retry-after", str(after))])
 
     def conflict(self) -> Tuple[int, Headers, bytes]:
         return problem(422, "this %s was used for a different request" % self.header)

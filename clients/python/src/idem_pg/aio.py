@@ -20,10 +20,10 @@ import psycopg
 from psycopg import pq
 
 from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
-                      Statements, as_response, fault_error, interval,
-                      offset_text, seconds)
+                      Statements, as_response, check_wait, fault_error, interval,
+                      offset_seconds, offset_text, seconds, wait_seconds)
 from .errors import CLAIM_GONE, Timeout, Unavailable, translate
-from .guard import CANCEL_GRACE, _connect_timeout
+from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport
 
 try:
     from psycopg_pool import AsyncConnectionPool
@@ -128,14 +128,18 @@ class _AsyncHeartbeat:
 class AsyncGuard:
     """asyncio version of Guard; ``connection`` is a conninfo string, a
     ``psycopg_pool.AsyncConnectionPool`` (opened by the caller), an
-    ``AsyncConnection`` (one call at a time) or an async factory."""
+    ``AsyncConnection`` (one call at a time) or an async factory.
+    ``wait_for``: as for Guard; a cancelled task ends the server's wait."""
 
     def __init__(self, connection: Any, *, schema: str = "public",
                  lease: Seconds = None, retention: Seconds = None, scope: str = "",
                  wait: bool = True, timeout: Seconds = 5.0,
                  keep_claim_on_error: bool = False, heartbeat: bool = False,
                  fault: Optional[Callable[[str], Any]] = None,
-                 clock_offset: Any = None):
+                 clock_offset: Any = None, wait_for: Seconds = None):
+        check_wait(wait, wait_for)
+        self.wait_for = wait_seconds(wait_for)
+        self._wait_for_support = _WaitForSupport()
         self.timeout = seconds(timeout)
         self._source = _AsyncSource(connection, self.timeout)
         self.sql = Statements(schema)
@@ -148,23 +152,25 @@ class AsyncGuard:
         self.fault = fault
         self.clock_offset = clock_offset
 
-    async def _exec(self, conn: psycopg.AsyncConnection, query, params, on_row):
+    async def _exec(self, conn: psycopg.AsyncConnection, query, params, on_row,
+                    offset_s: float, extra: float):
         if conn.closed:
             raise Unavailable("the connection is closed")
         if conn.info.transaction_status != _IDLE:
             raise Unavailable("the connection is busy or inside a transaction: "
                               "a claim made there would not commit on its own")
+        timeout = self.timeout + extra if self.timeout else None
         try:
             async with conn.cursor() as cur:
                 if conn.autocommit:
                     await cur.execute("BEGIN")
-                pre = Statements.prelude(self.timeout, offset_text(self.clock_offset))
+                pre = Statements.prelude(timeout, offset_text(offset_s))
                 if pre is not None:
                     await cur.execute(pre[0], pre[1])
-                if self.timeout:
-                    # the server ends the wait at self.timeout; this is the backstop
+                if timeout:
+                    # the server ends the wait at timeout; this is the backstop
                     await asyncio.wait_for(cur.execute(query, params),
-                                           self.timeout + CANCEL_GRACE)
+                                           timeout + CANCEL_GRACE)
                 else:
                     await cur.execute(query, params)
                 row = await cur.fetchone()
@@ -174,7 +180,7 @@ class AsyncGuard:
             return row
         except asyncio.TimeoutError as exc:
             await asyncio.shield(abort_statement(conn))
-            raise Timeout("no answer from the server in %.1f s" % (self.timeout + CANCEL_GRACE)) from exc
+            raise Timeout("no answer from the server in %.1f s" % (timeout + CANCEL_GRACE)) from exc
         except asyncio.CancelledError:
             await asyncio.shield(abort_statement(conn))
             raise
@@ -187,13 +193,16 @@ class AsyncGuard:
                     await conn.close()
             raise
 
-    async def _run(self, op: str, query, params, on_row=None):
+    async def _run(self, op: str, query, params, on_row=None,
+                   offset_s: Optional[float] = None, extra: float = 0.0):
         err = fault_error(self.fault, op)
         if err is not None:
             raise err
+        if offset_s is None:
+            offset_s = offset_seconds(self.clock_offset)
         try:
             async with self._source.connection() as conn:
-                return await self._exec(conn, query, params, on_row)
+                return await self._exec(conn, query, params, on_row, offset_s, extra)
         except Exception as exc:
             mapped = translate(exc)
             if mapped is exc:
@@ -202,14 +211,25 @@ class AsyncGuard:
 
     async def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
                     retention: Seconds = None, scope: Optional[str] = None,
-                    wait: Optional[bool] = None, on_row=None) -> BeginRow:
-        row = await self._run("begin", self.sql.begin, [
-            key, fingerprint,
-            interval(self.lease if lease is None else lease),
-            interval(self.retention if retention is None else retention),
-            self.scope if scope is None else scope,
-            self.wait if wait is None else wait], on_row)
-        return BeginRow.of(row)
+                    wait: Optional[bool] = None, wait_for: Seconds = None,
+                    on_row=None) -> BeginRow:
+        wait = self.wait if wait is None else wait
+        params = [key, fingerprint,
+                  interval(self.lease if lease is None else lease),
+                  interval(self.retention if retention is None else retention),
+                  self.scope if scope is None else scope, wait]
+        w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
+        offset_s = offset_seconds(self.clock_offset)
+        if w and self._wait_for_support.usable():
+            try:
+                row = await self._run("begin", self.sql.begin_wait, params + [interval(w)],
+                                      on_row, offset_s=offset_s, extra=w)
+                return BeginRow.of(row, offset_s)
+            except Exception as exc:
+                if not self._wait_for_support.refused(exc):
+                    raise
+        row = await self._run("begin", self.sql.begin, params, on_row, offset_s=offset_s)
+        return BeginRow.of(row, offset_s)
 
     async def complete(self, key: str, fingerprint: str, status: int, body: bytes,
                        token: int, *, retention: Seconds = None,
@@ -243,7 +263,8 @@ class AsyncGuard:
     async def do(self, key: str, fingerprint: str,
                  handler: Callable[[Claim], Awaitable[Any]], *,
                  scope: Optional[str] = None, lease: Seconds = None,
-                 retention: Seconds = None, wait: Optional[bool] = None) -> Result:
+                 retention: Seconds = None, wait: Optional[bool] = None,
+                 wait_for: Seconds = None) -> Result:
         """Claim ``key``; replay, refuse, or await ``handler(claim)`` and store
         the Response it returns.  If the calling task is cancelled, the
         server's wait is cancelled too and a claim already made is released."""
@@ -259,7 +280,7 @@ class AsyncGuard:
 
         try:
             row = await self.begin(key, fingerprint, lease=lease, retention=retention,
-                                   scope=scope, wait=wait, on_row=seen)
+                                   scope=scope, wait=wait, wait_for=wait_for, on_row=seen)
         except asyncio.CancelledError:
             if "token" in got:  # claimed, and the COMMIT may have gone through
                 await asyncio.shield(self._release_quietly(result, key, got["token"], scope))
@@ -274,6 +295,8 @@ class AsyncGuard:
         if outcome is not Outcome.EXECUTED:
             result.outcome = outcome
             result.response = row.response()
+            if outcome is Outcome.IN_FLIGHT:
+                result.lease_until, result.lease_left = row.lease_until, row.lease_left
             return result
 
         result.token = row.token

@@ -115,11 +115,12 @@ class IdempotencyMiddleware:
                 raise NotStored(captured)
             return Response(captured.status, pack(s.kept(captured.headers), captured.body))
 
-        result = await self.guard.do(key, fingerprint, handler, scope=tenant)
+        result = await self.guard.do(key, fingerprint, handler, scope=tenant,
+                                     wait_for=s.wait_of(scope))
         if result.outcome is Outcome.REPLAYED:
             await self._send(send, *s.replay(result.response.status, result.response.body))
         elif result.outcome is Outcome.IN_FLIGHT:
-            await self._send(send, *s.in_flight())
+            await self._send(send, *s.in_flight(result.lease_left))
         elif result.outcome is Outcome.CONFLICT:
             await self._send(send, *s.conflict())
         elif result.outcome is Outcome.UNAVAILABLE:

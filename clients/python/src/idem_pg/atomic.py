@@ -11,7 +11,9 @@ The claim, the business writes and the stored response commit together
 one).  An exception in the block rolls all of it back and the key is free
 again; a claim left without ``complete()`` is rolled back too and raises
 ClaimNotCompleted.  A concurrent retry waits for this transaction, then
-replays.
+replays.  With ``wait_for``, a retry that finds a committed claim in
+flight (a Guard's, outside any transaction of this kind) waits for its
+answer too, up to wait_for.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from typing import Any, AsyncIterator, Iterator, Optional
 
 import psycopg
 
-from ._common import BeginRow, Outcome, Response, Seconds, Statements, interval, seconds
+from ._common import (BeginRow, Outcome, Response, Seconds, Statements, check_wait,
+                      interval, seconds, wait_seconds)
 from .aio import abort_statement
 from .errors import ClaimNotCompleted, translate
 
@@ -99,25 +102,43 @@ def _ms(value: Seconds) -> str:
     return "%d" % max(1, round(seconds(value) * 1000))
 
 
+def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
+           retention: Seconds, scope: str, wait: bool, lock_timeout: Seconds,
+           wait_for: Seconds):
+    """The claim statement, its parameters and the lock_timeout to set for
+    it (None: leave the session's).  A wait for the holder's answer ends
+    at wait_for on the server, so lock_timeout is counted on top of it."""
+    check_wait(wait, wait_for)
+    w = wait_seconds(wait_for)
+    params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
+    lt = None if lock_timeout is None else seconds(lock_timeout) + (w or 0.0)
+    if w:
+        return st.begin_wait, params + [interval(w)], lt
+    return st.begin, params, lt
+
+
 @contextlib.contextmanager
 def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
            schema: str = "public", lease: Seconds = None, retention: Seconds = None,
-           scope: str = "", wait: bool = True,
-           lock_timeout: Seconds = None) -> Iterator[Atomic]:
+           scope: str = "", wait: bool = True, lock_timeout: Seconds = None,
+           wait_for: Seconds = None) -> Iterator[Atomic]:
     """Claim ``key`` in a transaction on ``conn`` (see the module doc).
     ``lock_timeout`` bounds the wait for another transaction holding the
-    key (Timeout, 55P03), and is restored after the claim."""
+    key (Timeout, 55P03), and is restored after the claim; with
+    ``wait_for`` (seconds) the claim is given lock_timeout + wait_for.
+    The session's statement_timeout still ends any wait (Timeout)."""
     st = Statements(schema)
+    query, params, lt = _begin(st, key, fingerprint, lease, retention, scope, wait,
+                               lock_timeout, wait_for)
     with conn.transaction():
         tx = Atomic(conn, st, key, fingerprint, scope, retention)
         try:
             with conn.cursor() as cur:
                 prev = None
-                if lock_timeout is not None:
-                    cur.execute(_LOCK_TIMEOUT, [_ms(lock_timeout)])
+                if lt is not None:
+                    cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
                     prev = cur.fetchone()[0]
-                cur.execute(st.begin, [key, fingerprint, interval(lease),
-                                       interval(retention), scope, wait])
+                cur.execute(query, params)
                 tx.row = BeginRow.of(cur.fetchone())
                 if prev is not None:
                     cur.execute(_RESTORE, [prev])
@@ -133,21 +154,23 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
 async def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
                        schema: str = "public", lease: Seconds = None,
                        retention: Seconds = None, scope: str = "", wait: bool = True,
-                       lock_timeout: Seconds = None) -> AsyncIterator[AsyncAtomic]:
+                       lock_timeout: Seconds = None,
+                       wait_for: Seconds = None) -> AsyncIterator[AsyncAtomic]:
     """asyncio version of atomic().  If the task is cancelled while the
     claim waits, the wait is cancelled on the server and ``conn`` is closed
     (its transaction rolls back): psycopg cannot resume the statement."""
     st = Statements(schema)
+    query, params, lt = _begin(st, key, fingerprint, lease, retention, scope, wait,
+                               lock_timeout, wait_for)
     async with conn.transaction():
         tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention)
         try:
             async with conn.cursor() as cur:
                 prev = None
-                if lock_timeout is not None:
-                    await cur.execute(_LOCK_TIMEOUT, [_ms(lock_timeout)])
+                if lt is not None:
+                    await cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
                     prev = (await cur.fetchone())[0]
-                await cur.execute(st.begin, [key, fingerprint, interval(lease),
-                                             interval(retention), scope, wait])
+                await cur.execute(query, params)
                 tx.row = BeginRow.of(await cur.fetchone())
                 if prev is not None:
                     await cur.execute(_RESTORE, [prev])

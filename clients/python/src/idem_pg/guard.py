@@ -6,22 +6,27 @@ connection's autocommit setting: a concurrent retry sees it in flight
 instead of waiting for a transaction nobody ends.  With ``timeout`` set,
 each call runs under ``SET LOCAL statement_timeout`` and, as a backstop, a
 cancel request is sent if the server has not answered shortly after, so a
-wait given up on the client is given up on the server too.
+wait given up on the client is given up on the server too.  A begin with
+``wait_for`` gets wait_for on top of ``timeout``: the server ends its wait
+for the holder's answer at wait_for, the call's statement_timeout at
+wait_for + timeout, and the client's cancel a little after that.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import math
 import threading
+import time
 from typing import Any, Callable, Iterator, Optional
 
 import psycopg
 from psycopg import pq
 
 from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
-                      Statements, as_response, fault_error, interval,
-                      offset_text, seconds)
+                      Statements, as_response, check_wait, fault_error, interval,
+                      offset_seconds, offset_text, seconds, wait_seconds)
 from .errors import CLAIM_GONE, Unavailable, translate
 
 try:
@@ -31,6 +36,37 @@ except ImportError:  # pragma: no cover
 
 # How long after the server-side timeout the client sends its own cancel.
 CANCEL_GRACE = 1.0
+
+# The SQLSTATE of an idem_begin called with wait_for on an extension older
+# than that parameter: undefined_function.
+NO_WAIT_FOR = ("42883",)
+# How long a guard then calls it with six arguments before it tries again.
+NO_WAIT_FOR_RETRY = 60.0
+
+log = logging.getLogger("idem_pg")
+
+
+class _WaitForSupport:
+    """Whether the server lacked idem_begin's wait_for lately."""
+
+    def __init__(self) -> None:
+        self.until = 0.0
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def refused(self, exc: BaseException) -> bool:
+        """Note a refusal of wait_for; True if exc is one."""
+        state = getattr(exc, "sqlstate", None)
+        if state not in NO_WAIT_FOR:
+            return False
+        if self.usable():
+            log.warning("the server has no idem_begin with wait_for (%s: %s); "
+                        "duplicates are answered in flight at once for %d s: "
+                        "ALTER EXTENSION idem UPDATE", state, str(exc).strip(),
+                        NO_WAIT_FOR_RETRY)
+        self.until = time.monotonic() + NO_WAIT_FOR_RETRY
+        return True
 
 _IDLE = pq.TransactionStatus.IDLE
 _IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
@@ -134,6 +170,11 @@ class Guard:
     ``psycopg_pool.ConnectionPool``, a ``psycopg.Connection`` (used by one
     call at a time), or a factory returning a new connection.  The
     connection is not held while the handler runs.
+
+    ``wait_for`` (seconds; None or 0: no wait): a duplicate of a request
+    in flight waits in the server up to that long for the holder's answer
+    and replays it, or claims the key if the holder releases it or its
+    lease ends.  The waiting call holds its connection meanwhile.
     """
 
     def __init__(self, connection: Any, *, schema: str = "public",
@@ -141,7 +182,10 @@ class Guard:
                  wait: bool = True, timeout: Seconds = 5.0,
                  keep_claim_on_error: bool = False, heartbeat: bool = False,
                  fault: Optional[Callable[[str], Any]] = None,
-                 clock_offset: Any = None):
+                 clock_offset: Any = None, wait_for: Seconds = None):
+        check_wait(wait, wait_for)
+        self.wait_for = wait_seconds(wait_for)
+        self._wait_for_support = _WaitForSupport()
         self.timeout = seconds(timeout)
         self._source = _Source(connection, self.timeout)
         self.sql = Statements(schema)
@@ -157,7 +201,7 @@ class Guard:
     # -- one call, one transaction ------------------------------------------
 
     def _exec(self, conn: psycopg.Connection, query, params,
-              on_row: Optional[Callable[[Any], None]]):
+              on_row: Optional[Callable[[Any], None]], offset_s: float, extra: float):
         if conn.closed:
             raise Unavailable("the connection is closed")
         if conn.info.transaction_status != _IDLE:
@@ -169,11 +213,12 @@ class Guard:
                 if conn.autocommit:
                     cur.execute("BEGIN")
                 # (without autocommit psycopg has just begun the transaction itself)
-                pre = Statements.prelude(self.timeout, offset_text(self.clock_offset))
+                timeout = self.timeout + extra if self.timeout else None
+                pre = Statements.prelude(timeout, offset_text(offset_s))
                 if pre is not None:
                     cur.execute(pre[0], pre[1])
-                if self.timeout:
-                    timer = threading.Timer(self.timeout + CANCEL_GRACE, conn.cancel)
+                if timeout:
+                    timer = threading.Timer(timeout + CANCEL_GRACE, conn.cancel)
                     timer.daemon = True
                     timer.start()
                 cur.execute(query, params)
@@ -189,13 +234,16 @@ class Guard:
             if timer is not None:
                 timer.cancel()
 
-    def _run(self, op: str, query, params, on_row=None):
+    def _run(self, op: str, query, params, on_row=None, offset_s: Optional[float] = None,
+             extra: float = 0.0):
         err = fault_error(self.fault, op)
         if err is not None:
             raise err
+        if offset_s is None:
+            offset_s = offset_seconds(self.clock_offset)
         try:
             with self._source.connection() as conn:
-                return self._exec(conn, query, params, on_row)
+                return self._exec(conn, query, params, on_row, offset_s, extra)
         except Exception as exc:
             mapped = translate(exc)
             if mapped is exc:
@@ -206,15 +254,27 @@ class Guard:
 
     def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
               retention: Seconds = None, scope: Optional[str] = None,
-              wait: Optional[bool] = None) -> BeginRow:
-        """idem_begin in its own committed transaction."""
-        row = self._run("begin", self.sql.begin, [
-            key, fingerprint,
-            interval(self.lease if lease is None else lease),
-            interval(self.retention if retention is None else retention),
-            self.scope if scope is None else scope,
-            self.wait if wait is None else wait])
-        return BeginRow.of(row)
+              wait: Optional[bool] = None, wait_for: Seconds = None) -> BeginRow:
+        """idem_begin in its own committed transaction; with a wait_for
+        (this call's, else the guard's; 0: none), its 7-argument form."""
+        wait = self.wait if wait is None else wait
+        params = [key, fingerprint,
+                  interval(self.lease if lease is None else lease),
+                  interval(self.retention if retention is None else retention),
+                  self.scope if scope is None else scope, wait]
+        # wait=False for one call drops the guard's wait_for, not one given with it
+        w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
+        offset_s = offset_seconds(self.clock_offset)
+        if w and self._wait_for_support.usable():
+            try:
+                row = self._run("begin", self.sql.begin_wait, params + [interval(w)],
+                                offset_s=offset_s, extra=w)
+                return BeginRow.of(row, offset_s)
+            except Exception as exc:
+                if not self._wait_for_support.refused(exc):
+                    raise
+        row = self._run("begin", self.sql.begin, params, offset_s=offset_s)
+        return BeginRow.of(row, offset_s)
 
     def complete(self, key: str, fingerprint: str, status: int, body: bytes,
                  token: int, *, retention: Seconds = None,
@@ -261,16 +321,18 @@ class Guard:
 
     def do(self, key: str, fingerprint: str, handler: Callable[[Claim], Any], *,
            scope: Optional[str] = None, lease: Seconds = None,
-           retention: Seconds = None, wait: Optional[bool] = None) -> Result:
+           retention: Seconds = None, wait: Optional[bool] = None,
+           wait_for: Seconds = None) -> Result:
         """Claim ``key``; replay, refuse, or run ``handler(claim)`` and store
-        the Response it returns.  Never raises for the store: see Result."""
+        the Response it returns.  Never raises for the store: see Result.
+        ``wait_for`` overrides the guard's for this call (0: no wait)."""
         scope = self.scope if scope is None else scope
         lease = self.lease if lease is None else lease
         retention = self.retention if retention is None else retention
         result = Result(Outcome.UNAVAILABLE)
         try:
             row = self.begin(key, fingerprint, lease=lease, retention=retention,
-                             scope=scope, wait=wait)
+                             scope=scope, wait=wait, wait_for=wait_for)
         except Exception as exc:  # noqa: BLE001 - no claim, no handler
             result.error = translate(exc)
             result.failed_step = "begin"
@@ -279,6 +341,8 @@ class Guard:
         if outcome is not Outcome.EXECUTED:
             result.outcome = outcome
             result.response = row.response()
+            if outcome is Outcome.IN_FLIGHT:
+                result.lease_until, result.lease_left = row.lease_until, row.lease_left
             return result
 
         result.token = row.token

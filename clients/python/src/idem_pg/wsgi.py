@@ -100,12 +100,13 @@ class IdempotencyWSGIMiddleware:
                 raise NotStored(captured)
             return Response(captured["status"], pack(s.kept(captured["headers"]), captured["body"]))
 
-        result = self.guard.do(key, fingerprint, handler, scope=tenant)
+        result = self.guard.do(key, fingerprint, handler, scope=tenant,
+                               wait_for=s.wait_of(environ))
         if result.outcome is Outcome.REPLAYED:
             return self._reply(start_response, *s.replay(result.response.status,
                                                          result.response.body))
         if result.outcome is Outcome.IN_FLIGHT:
-            return self._reply(start_response, *s.in_flight())
+            return self._reply(start_response, *s.in_flight(result.lease_left))
         if result.outcome is Outcome.CONFLICT:
             return self._reply(start_response, *s.conflict())
         if result.outcome is Outcome.UNAVAILABLE:

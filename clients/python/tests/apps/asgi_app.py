@@ -4,6 +4,11 @@ each with the middleware in one line and its own settings.
   /req    FastAPI, key required                 /opt    Starlette, key optional
   /store  FastAPI, 5xx and exceptions stored     /down   FastAPI, guard on a dead server
 
+A duplicate of a request in flight waits for its response: 5 s (the
+default) under /req and /down, 1 s for /opt/gated and 5 s for the rest of
+/opt (a wait per route), not at all under /store, although every guard
+would wait 30 s (the middleware's setting decides).
+
 Every executed handler inserts a row into http_calls.
 """
 
@@ -95,7 +100,12 @@ def endpoints(app: str):
 
 
 def guard(dsn: str) -> AsyncGuard:
-    return AsyncGuard(dsn, lease=LEASE, timeout=5, clock_offset=lambda: CLOCK[0])
+    return AsyncGuard(dsn, lease=LEASE, timeout=5, clock_offset=lambda: CLOCK[0],
+                      wait_for=30)
+
+
+def opt_wait(scope) -> float:
+    return 1.0 if scope["path"].endswith("/gated") else 5.0
 
 
 def fastapi_app(name: str, dsn: str, **settings) -> FastAPI:
@@ -115,8 +125,8 @@ def starlette_app(name: str, dsn: str, **settings) -> Starlette:
 
 app = FastAPI()
 app.mount("/req", fastapi_app("req", DSN, required=True))
-app.mount("/opt", starlette_app("opt", DSN))
-app.mount("/store", fastapi_app("store", DSN, store_server_errors=True))
+app.mount("/opt", starlette_app("opt", DSN, wait_for=opt_wait))
+app.mount("/store", fastapi_app("store", DSN, store_server_errors=True, wait_for=0))
 app.mount("/down", fastapi_app("down", DOWN_DSN))
 
 

@@ -1,6 +1,6 @@
 """The WSGI test app: Flask apps with the middleware, mounted like the
-ASGI app's (/req, /opt, /store, /down); every executed handler inserts a
-row into http_calls."""
+ASGI app's (/req, /opt, /store, /down) with the same waits for a request
+in flight; every executed handler inserts a row into http_calls."""
 
 import os
 import time
@@ -70,11 +70,15 @@ def flask_app(name: str, dsn: str, **settings) -> Flask:
     def list_orders():
         return jsonify({"ok": True})
 
-    guard = Guard(dsn, lease=LEASE, timeout=5)
+    guard = Guard(dsn, lease=LEASE, timeout=5, wait_for=30)
     fl.wsgi_app = IdempotencyWSGIMiddleware(
         fl.wsgi_app, guard=guard,
         scope=lambda environ: environ.get("HTTP_X_TENANT", ""), **settings)
     return fl
+
+
+def opt_wait(environ) -> float:
+    return 1.0 if environ.get("PATH_INFO", "").endswith("/gated") else 5.0
 
 
 root = Flask("root")
@@ -87,7 +91,7 @@ def health():
 
 app = DispatcherMiddleware(root, {
     "/req": flask_app("req", DSN, required=True),
-    "/opt": flask_app("opt", DSN),
-    "/store": flask_app("store", DSN, store_server_errors=True),
+    "/opt": flask_app("opt", DSN, wait_for=opt_wait),
+    "/store": flask_app("store", DSN, store_server_errors=True, wait_for=0),
     "/down": flask_app("down", DOWN_DSN),
 })
