@@ -36,7 +36,19 @@ export interface GuardOptions {
   retention?: Duration | null;
   /** Wait for an uncommitted claim (default true); false answers in flight at once. */
   wait?: boolean;
-  /** Per server call, in ms (default 10000; 0: none): statement_timeout and lock_timeout on the server, the link cut 1 s later. */
+  /**
+   * Milliseconds a duplicate of a committed, live claim waits in the server for its answer
+   * (default 0: in flight at once).  It gets the replay when the holder completes, the claim
+   * (a greater token) when the holder releases or its lease ends, and in flight with
+   * leaseUntil when the wait runs out.  Needs wait: true and idem_begin's wait_for form;
+   * without that form (42883) a guard calls the six-argument one.  The claim's budget is
+   * timeout + waitFor.
+   */
+  waitFor?: number | null;
+  /**
+   * Per server call, in ms (default 10000; 0: none): statement_timeout and lock_timeout on the
+   * server, the link cut 1 s later.  The claim gets timeout + waitFor.
+   */
   timeout?: number;
   /** On a handler error leave the claim to its lease instead of releasing it (default false). */
   keepClaimOnError?: boolean;
@@ -88,6 +100,8 @@ export interface GuardResult {
   superseded: boolean;
   /** Successful heartbeats. */
   extends: number;
+  /** Executed: the end of the claim's first lease; in flight: the end of the holder's lease (when the server gave it); otherwise null. */
+  leaseUntil: Date | null;
 }
 
 export declare class Guard {
@@ -114,6 +128,8 @@ export interface TransactionResult {
   outcome: Exclude<OutcomeName, 'unavailable'>;
   response: StoredResponse | null;
   token: bigint | null;
+  /** Executed: the claim's lease end; in flight: the holder's (when the server gave it); otherwise null. */
+  leaseUntil: Date | null;
 }
 
 /**
@@ -149,7 +165,8 @@ export interface LookupRow {
 export declare class Store {
   constructor(options?: { schema?: string });
   readonly schema: string;
-  begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean }): Promise<BeginRow>;
+  /** waitFor (ms or interval text; 0/null: none) calls the seven-argument idem_begin with wait_for. */
+  begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean; waitFor?: Duration | null }): Promise<BeginRow>;
   complete(client: ClientBase, args: { key: string; fingerprint: string; status: number; body?: Body; token?: bigint | null; retention?: Duration | null; scope?: string }): Promise<Date>;
   release(client: ClientBase, args: { key: string; token?: bigint | null; scope?: string }): Promise<boolean>;
   extend(client: ClientBase, args: { key: string; token?: bigint | null; lease: Duration; scope?: string }): Promise<Date>;
@@ -173,8 +190,16 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   storedHeaders?: string[];
   /** Header set on a replay, with value 'true' (default 'Idempotent-Replayed'). */
   replayHeader?: string;
-  /** Retry-After seconds on 409 and 503 (default 1). */
+  /** Retry-After seconds on 503, and on 409 when the retry did not wait or the server gave no lease (default 1). */
   retryAfter?: number;
+  /**
+   * Milliseconds a retry that arrives while the first request with its key runs waits for that
+   * request's answer (default 5000; 0 when wait is false; 0: 409 at once).  It then gets the
+   * answer replayed; 409 with Retry-After until the first request's lease ends (at least 1 s)
+   * only when the wait runs out.  Per mount: each route's middleware has its own; overrides a
+   * given Guard's waitFor.
+   */
+  waitFor?: number | null;
   /** Longest key in bytes (default 255); longer: 400. */
   maxKeyLength?: number;
   /** Largest body read by the middleware itself, in bytes (default 1 MiB); larger: 413. */

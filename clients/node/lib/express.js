@@ -2,6 +2,7 @@
 
 const crypto = require('node:crypto');
 const { Guard, Outcome } = require('./guard');
+const { normalizeOptions } = require('./options');
 
 /*
  * Express middleware for the Idempotency-Key header
@@ -15,6 +16,20 @@ const { Guard, Outcome } = require('./guard');
 const ENVELOPE = Buffer.from('IDEMHTTP1\n');
 
 const DEFAULT_STORED_HEADERS = ['content-type', 'content-language', 'content-encoding', 'location', 'etag', 'cache-control'];
+
+/** How long a concurrent retry waits for the first request's answer by default (ms). */
+const DEFAULT_WAIT_FOR_MS = 5000;
+
+/**
+ * Retry-After of a 409: the seconds until the holder's lease ends (at least
+ * 1) after the retry waited for it; otherwise, or without a lease from the
+ * server, the fixed retryAfter.
+ */
+function retryAfterSeconds(result, waitFor, retryAfter) {
+  const until = result.leaseUntil;
+  if (!(waitFor > 0) || !(until instanceof Date) || Number.isNaN(until.getTime())) return retryAfter;
+  return Math.max(1, Math.ceil((until.getTime() - Date.now()) / 1000));
+}
 
 function encodeEnvelope(headers, body) {
   return Buffer.concat([ENVELOPE, Buffer.from(JSON.stringify(headers) + '\n'), body]);
@@ -164,8 +179,14 @@ function runCaptured(req, res, next, claim, capture, ctx) {
  * storeServerErrors (false: a 5xx or a thrown error releases the key),
  * storedHeaders, replayHeader ('Idempotent-Replayed'), retryAfter (1 s),
  * maxKeyLength (255), limit (1 MiB, for bodies read here), onResult(result,
- * req), and any Guard option (lease, retention, timeout, wait, ...) when a
- * pool is given.
+ * req), waitFor (5000 ms; 0 when wait is false), and any Guard option
+ * (lease, retention, timeout, wait, ...) when a pool is given.
+ *
+ * waitFor is this middleware's, so each route it is mounted on has its
+ * own: a retry that arrives while the first request with its key runs
+ * waits in the server up to waitFor for the answer and gets it replayed;
+ * 409 only when the wait runs out, with Retry-After until the first
+ * request's lease ends.  It overrides a given Guard's waitFor.
  */
 function idempotency(poolOrGuard, options = {}) {
   const {
@@ -181,9 +202,14 @@ function idempotency(poolOrGuard, options = {}) {
     maxKeyLength = 255,
     limit = 1024 * 1024,
     onResult = null,
+    waitFor: waitForOption,
     ...guardOptions
   } = options;
   const guard = poolOrGuard instanceof Guard ? poolOrGuard : new Guard(poolOrGuard, guardOptions);
+  const waitFor = normalizeOptions({
+    ...guard.options,
+    waitFor: waitForOption !== undefined ? waitForOption : (guard.options.wait === false ? 0 : DEFAULT_WAIT_FOR_MS),
+  }).waitFor;
   const methodSet = new Set(methods.map((m) => m.toUpperCase()));
   const headerName = header.toLowerCase();
   const stored = storedHeaders.map((h) => h.toLowerCase());
@@ -210,7 +236,7 @@ function idempotency(poolOrGuard, options = {}) {
 
     const capture = {};
     const ctx = { key, scope: sc, storedHeaders: stored, storeServerErrors };
-    const result = await guard.do(key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), { scope: sc });
+    const result = await guard.do(key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), { scope: sc, waitFor });
     if (onResult) onResult(result, req);
 
     switch (result.outcome) {
@@ -223,7 +249,7 @@ function idempotency(poolOrGuard, options = {}) {
       }
       case Outcome.IN_FLIGHT:
         return problem(res, 409, 'request in flight', 'a request with this key is being processed; retry later',
-          { 'Retry-After': String(retryAfter) });
+          { 'Retry-After': String(retryAfterSeconds(result, waitFor, retryAfter)) });
       case Outcome.CONFLICT:
         return problem(res, 422, 'Idempotency-Key reused', 'this key was used with a different request');
       case Outcome.UNAVAILABLE:
@@ -241,4 +267,6 @@ function idempotency(poolOrGuard, options = {}) {
   };
 }
 
-module.exports = { idempotency, saveRawBody, defaultFingerprint, encodeEnvelope, decodeEnvelope, parseKey };
+module.exports = {
+  idempotency, saveRawBody, defaultFingerprint, encodeEnvelope, decodeEnvelope, parseKey, retryAfterSeconds, DEFAULT_WAIT_FOR_MS,
+};

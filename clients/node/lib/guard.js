@@ -5,7 +5,7 @@ const {
   AlreadyCompletedError, toIdemError, isDatabaseError,
 } = require('./errors');
 const { Store } = require('./store');
-const { DEFAULTS, normalizeOptions, clockOffsetOf } = require('./options');
+const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse } = require('./outcome');
 const { transaction } = require('./transaction');
 
@@ -15,6 +15,8 @@ const CLIENT_GRACE_MS = 1000;
 const CONNECTION_CHECK_MS = 1000;
 /** Heartbeat period when the lease is the server default (60 s) or text. */
 const DEFAULT_HEARTBEAT_MS = 20000;
+/** How long a guard uses the six-argument idem_begin after finding no wait_for form. */
+const NO_WAIT_FOR_RETRY_MS = 60000;
 
 /** Make a call fail if the fault hook says so (as if the server did not answer). */
 function fireFault(o, op) {
@@ -88,6 +90,8 @@ class Guard {
     this.pool = pool;
     this.options = normalizeOptions(options);
     this.store = new Store({ schema: this.options.schema });
+    /** Until then (ms since the epoch) idem_begin is called without wait_for: the database has none. */
+    this._noWaitForUntil = 0;
   }
 
   _opts(overrides) {
@@ -98,16 +102,18 @@ class Guard {
 
   /**
    * Run fn(client) in its own transaction with the call's timeouts and
-   * clock offset, then commit.  Throws idem errors.
+   * clock offset, then commit.  Throws idem errors.  budget (ms) replaces
+   * o.timeout for the server's timeouts and the client's deadline of the
+   * call (not of the connect).
    */
-  async _run(o, op, fn) {
+  async _run(o, op, fn, budget = o.timeout) {
     fireFault(o, op);
-    const timeout = o.timeout;
+    const timeout = budget;
     const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
     const connecting = this.pool.connect();
     let client;
     try {
-      client = await withDeadline(connecting, timeout,
+      client = await withDeadline(connecting, o.timeout,
         () => connecting.then((c) => c.release(), () => {}), `connect for ${op}`);
     } catch (err) {
       throw toIdemError(err);
@@ -169,19 +175,20 @@ class Guard {
       released: false,
       superseded: false,
       extends: 0,
+      leaseUntil: null,
     };
     const { scope, lease, retention } = o;
 
     // Claim: any failure means no dedup protection, so the handler does not run.
     let row;
     try {
-      row = await this._run(o, 'begin', (c, store) =>
-        store.begin(c, { key, fingerprint, lease, retention, scope, wait: o.wait }));
+      row = await this._begin(o, { key, fingerprint, lease, retention, scope, wait: o.wait });
     } catch (err) {
       result.error = err;
       result.failedStep = 'begin';
       return result;
     }
+    result.leaseUntil = row.leaseUntil ?? null;
     if (!row.claimed) {
       if (row.state === 'DONE') {
         result.outcome = Outcome.REPLAYED;
@@ -249,6 +256,26 @@ class Guard {
       result.failedStep = 'complete';
     }
     return result;
+  }
+
+  /**
+   * The claim: idem_begin in its own transaction, with wait_for when
+   * o.waitFor is set.  Its budget is timeout + waitFor: the server ends the
+   * wait at waitFor and the call at timeout + waitFor, the client cuts the
+   * link 1 s later.  A database without the wait_for form (42883) gets the
+   * six-argument form, and is asked again after NO_WAIT_FOR_RETRY_MS.
+   */
+  async _begin(o, args) {
+    let waitFor = o.waitFor;
+    if (waitFor > 0 && this._noWaitForUntil > Date.now() && o.schema === this.store.schema) waitFor = 0;
+    const call = (w) => this._run(o, 'begin', (c, store) => store.begin(c, { ...args, waitFor: w }), beginBudget(o, w));
+    try {
+      return await call(waitFor);
+    } catch (err) {
+      if (!(waitFor > 0 && err instanceof IdemError && err.code === '42883')) throw err;
+      if (o.schema === this.store.schema) this._noWaitForUntil = Date.now() + NO_WAIT_FOR_RETRY_MS;
+      return call(0);
+    }
   }
 
   /** Extend the lease periodically until stopped or the claim is lost. */

@@ -12,6 +12,7 @@ const DEFAULTS = Object.freeze({
   lease: null, // ms or interval text; null: idem.default_lease
   retention: null, // ms or interval text; null: idem.default_retention
   wait: true,
+  waitFor: 0, // ms a duplicate waits in the server for a committed claim's answer; 0: none
   timeout: 10000, // ms per server call, enforced by the server; 0: none
   keepClaimOnError: false,
   heartbeat: false, // true: extend every lease/3; a number: every that many ms
@@ -25,6 +26,10 @@ function normalizeOptions(options) {
   for (const [k, v] of Object.entries(options || {})) if (v !== undefined) o[k] = v;
   if (!Number.isFinite(o.timeout) || o.timeout < 0) throw new TypeError('timeout must be a number of milliseconds >= 0');
   o.timeout = Math.round(o.timeout);
+  if (o.waitFor === null) o.waitFor = 0;
+  if (!Number.isFinite(o.waitFor) || o.waitFor < 0) throw new TypeError('waitFor must be a number of milliseconds >= 0');
+  o.waitFor = Math.round(o.waitFor);
+  if (o.waitFor > 0 && o.wait === false) throw new TypeError('waitFor needs wait: true (a duplicate that does not wait cannot wait for an answer)');
   if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
   intervalParam(o.lease, 'lease');
   intervalParam(o.retention, 'retention');
@@ -32,6 +37,16 @@ function normalizeOptions(options) {
   if (o.fault != null && typeof o.fault !== 'function') throw new TypeError('fault must be a function');
   if (typeof o.heartbeat === 'number' && !(o.heartbeat > 0)) throw new TypeError('heartbeat must be true, false or a period in ms');
   return o;
+}
+
+/**
+ * The budget of an idem_begin call in ms (0: none): timeout, plus waitFor
+ * when the call waits for a committed claim's answer, so the server-side
+ * wait (ended by the server at waitFor) always fits inside it.
+ */
+function beginBudget(o, waitFor) {
+  if (!(o.timeout > 0)) return 0;
+  return o.timeout + (waitFor > 0 ? waitFor : 0);
 }
 
 /** Seconds added to the server clock for a call (clockOffset may be a function). */
@@ -42,4 +57,4 @@ function clockOffsetOf(o) {
   return v;
 }
 
-module.exports = { DEFAULTS, normalizeOptions, clockOffsetOf };
+module.exports = { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget };

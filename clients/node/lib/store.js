@@ -64,6 +64,11 @@ class Store {
     this.sql = {
       begin: 'SELECT claimed, state, token, status, body, lease_until, expires_at' +
         ` FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)`,
+      // The form with wait_for, used only when a wait is asked for, so that a database
+      // whose idem_begin has no wait_for keeps working with the six-argument form.
+      beginWait: 'SELECT claimed, state, token, status, body, lease_until, expires_at' +
+        ` FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean,` +
+        ' $7::interval)',
       complete: `SELECT ${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
         ' $6::interval, $7::text) AS expires_at',
       release: `SELECT ${s}.idem_release($1::text, $2::bigint, $3::text) AS released`,
@@ -81,12 +86,17 @@ class Store {
     }
   }
 
-  /** idem_begin: claim the key, or learn it is done, in flight or a conflict. */
-  async begin(client, { key, fingerprint, lease = null, retention = null, scope = '', wait = true }) {
+  /**
+   * idem_begin: claim the key, or learn it is done, in flight or a
+   * conflict.  waitFor (ms, > 0) makes a duplicate of a committed claim
+   * wait in the server, up to that long, for the holder's answer.
+   */
+  async begin(client, { key, fingerprint, lease = null, retention = null, scope = '', wait = true, waitFor = 0 }) {
     const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'),
       intervalParam(lease, 'lease'), intervalParam(retention, 'retention'),
       checkText(scope, 'scope'), Boolean(wait)];
-    const res = await this._query(client, this.sql.begin, values);
+    if (waitFor != null && waitFor !== 0) values.push(intervalParam(waitFor, 'waitFor'));
+    const res = await this._query(client, values.length === 7 ? this.sql.beginWait : this.sql.begin, values);
     const row = res.rows[0];
     return {
       claimed: row.claimed,

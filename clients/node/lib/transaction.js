@@ -2,7 +2,7 @@
 
 const { IdemError, toIdemError } = require('./errors');
 const { Store } = require('./store');
-const { normalizeOptions, clockOffsetOf } = require('./options');
+const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse } = require('./outcome');
 
 /**
@@ -12,11 +12,17 @@ const { Outcome, normalizeResponse } = require('./outcome');
  * together or not at all.  A concurrent retry waits for this transaction
  * and then replays the response.
  *
- * Resolves to { outcome, response, token }: executed (committed),
- * replayed, in_flight (a guard's committed claim is live) or conflict.
+ * Resolves to { outcome, response, token, leaseUntil }: executed
+ * (committed), replayed, in_flight (a guard's committed claim is live;
+ * leaseUntil is when its lease ends) or conflict.  With options.waitFor
+ * (ms) a duplicate of a guard's committed claim waits in the server, up to
+ * that long, for its answer: the replay, or the key to claim if the holder
+ * released it or its lease ended; in flight only when the wait runs out.
  * Rejects, after ROLLBACK, with the handler's own error or an idem error
- * (TimeoutError when the claim waited longer than options.timeout: the
- * server cancelled the wait, so no claim is left behind).
+ * (TimeoutError when the claim waited longer than options.timeout, plus
+ * waitFor when set: the server cancelled the wait, so no claim is left
+ * behind; IdemError 42883 when waitFor is set and the database's
+ * idem_begin has no wait_for).
  *
  * The client must be idle (not inside a transaction).  The timeout applies
  * to idem_begin only; statement_timeout and lock_timeout are restored for
@@ -43,15 +49,16 @@ async function transaction(client, key, fingerprint, handler, options) {
   let ended = false;
   try {
     let saved = null;
-    if (o.timeout > 0) {
+    const budget = beginBudget(o, o.waitFor);
+    if (budget > 0) {
       saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
         " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
-      await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
+      await q(`SET LOCAL statement_timeout = ${budget}; SET LOCAL lock_timeout = ${budget}`);
     }
     const offset = clockOffsetOf(o);
     if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
     const row = await store.begin(client, {
-      key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait,
+      key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor,
     });
     if (saved) {
       await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
@@ -60,9 +67,11 @@ async function transaction(client, key, fingerprint, handler, options) {
     if (!row.claimed) {
       await q('ROLLBACK');
       ended = true;
-      if (row.state === 'DONE') return { outcome: Outcome.REPLAYED, response: { status: row.status, body: row.body }, token: null };
-      if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, response: null, token: null };
-      return { outcome: Outcome.IN_FLIGHT, response: null, token: null };
+      if (row.state === 'DONE') {
+        return { outcome: Outcome.REPLAYED, response: { status: row.status, body: row.body }, token: null, leaseUntil: null };
+      }
+      if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, response: null, token: null, leaseUntil: null };
+      return { outcome: Outcome.IN_FLIGHT, response: null, token: null, leaseUntil: row.leaseUntil ?? null };
     }
 
     const claim = { key, fingerprint, scope: o.scope, token: row.token, client };
@@ -76,7 +85,7 @@ async function transaction(client, key, fingerprint, handler, options) {
     if (res && res.command === 'ROLLBACK') {
       throw new IdemError('the transaction was rolled back: a statement in it failed');
     }
-    return { outcome: Outcome.EXECUTED, response, token: row.token };
+    return { outcome: Outcome.EXECUTED, response, token: row.token, leaseUntil: row.leaseUntil ?? null };
   } catch (err) {
     if (!ended) {
       try {

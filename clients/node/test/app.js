@@ -42,6 +42,11 @@ function createApp(pool, idemOptions = {}) {
     await sleep(50);
     res.status(201).json({ worked: state.calls.work });
   });
+  app.post('/long', async (req, res) => {
+    count('long');
+    await sleep(2000);
+    res.status(201).json({ long: state.calls.long, token: String(req.idempotency?.token) });
+  });
   app.post('/fail', (req, res) => {
     count('fail');
     res.status(500).json({ error: 'database down' });

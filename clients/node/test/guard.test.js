@@ -11,7 +11,9 @@ const {
   Guard, Outcome, Store, failTimes, IdemError, UnavailableError, TimeoutError, FingerprintMismatchError,
   TokenSupersededError, NoClaimError, AlreadyCompletedError,
 } = idem;
-const { makePool, uniqueKey, sleep, untilServerPast, lookup, deadPool } = require('./helpers');
+const {
+  makePool, uniqueKey, sleep, untilServerPast, untilWaitingInServer, holdKey, lookup, deadPool,
+} = require('./helpers');
 
 const pool = makePool({ max: 10 });
 test.after(() => pool.end());
@@ -96,6 +98,135 @@ test('in flight: a live committed claim elsewhere; with wait=false also an uncom
     await holder.query('ROLLBACK');
     await holder.end();
   }
+});
+
+test('waitFor: a duplicate waits in the server while the holder runs and replays the same bytes', async (t) => {
+  const waiters = makePool({ max: 2, application_name: 'idem-wait-replay' });
+  let holder = null;
+  t.after(async () => {
+    if (holder) holder.open({ status: 200 }); // a test that fails with the holder parked ends it
+    await waiters.end();
+  });
+  const key = uniqueKey('wait-replay');
+  const bytes = Buffer.from([0, 255, 10, 13, 92, 120, 52, 49, 0xc3, 0x28]);
+  holder = await holdKey(new Guard(pool, { lease: 60000 }), key);
+  let calls = 0;
+  const duplicate = new Guard(waiters, { lease: 60000, waitFor: 30000 })
+    .do(key, 'fp', async () => { calls += 1; return { status: 500 }; });
+  // The duplicate's idem_begin is running: it waits for the holder instead of answering in flight.
+  await untilWaitingInServer(pool, 'idem-wait-replay');
+  holder.open({ status: 201, body: bytes });
+  const first = await holder.done;
+  assert.equal(first.outcome, Outcome.EXECUTED);
+  assert.equal(first.failedStep, null);
+  const r = await duplicate;
+  assert.equal(r.outcome, Outcome.REPLAYED, `the duplicate answered ${r.outcome} (${r.error})`);
+  assert.equal(r.error, null);
+  assert.equal(r.token, null);
+  assert.equal(r.response.status, 201);
+  assert.ok(Buffer.isBuffer(r.response.body));
+  assert.deepEqual(r.response.body, bytes);
+  assert.equal(calls, 0);
+});
+
+test('waitFor: the holder releases while the duplicate waits, the duplicate claims with a greater token', async (t) => {
+  const waiters = makePool({ max: 2, application_name: 'idem-wait-release' });
+  let holder = null;
+  t.after(async () => {
+    if (holder) holder.open({ status: 200 }); // a test that fails with the holder parked ends it
+    await waiters.end();
+  });
+  const key = uniqueKey('wait-release');
+  holder = await holdKey(new Guard(pool, { lease: 60000 }), key);
+  let seen = null;
+  const duplicate = new Guard(waiters, { lease: 60000, waitFor: 30000 })
+    .do(key, 'fp', async (claim) => { seen = claim.token; return { status: 200, body: 'second' }; });
+  await untilWaitingInServer(pool, 'idem-wait-release');
+  const boom = new Error('provider said no');
+  holder.open(boom);
+  const first = await holder.done;
+  assert.equal(first.failedStep, 'handler');
+  assert.equal(first.error, boom);
+  assert.equal(first.released, true);
+  const r = await duplicate;
+  assert.equal(r.outcome, Outcome.EXECUTED, `the duplicate answered ${r.outcome} (${r.error})`);
+  assert.equal(r.failedStep, null);
+  assert.equal(seen, r.token);
+  assert.ok(r.token > holder.claim.token, `${r.token} > ${holder.claim.token}`);
+  const row = await lookup(pool, key);
+  assert.equal(row.state, 'DONE');
+  assert.equal(BigInt(row.token), r.token);
+  assert.deepEqual((await new Guard(pool).do(key, 'fp', async () => ({ status: 500 }))).response.body, Buffer.from('second'));
+});
+
+test('waitFor: the wait runs out, in flight with the holder\'s lease_until; the call\'s budget is timeout + waitFor', async () => {
+  const key = uniqueKey('wait-out');
+  const holder = await holdKey(new Guard(pool, { lease: 60000 }), key);
+  try {
+    // timeout (1 s) alone is shorter than the wait (2 s): the wait must still end by itself, not in a timeout.
+    const guard = new Guard(pool, { waitFor: 2000, timeout: 1000 });
+    let calls = 0;
+    const t0 = Date.now();
+    const r = await guard.do(key, 'fp', async () => { calls += 1; return { status: 200 }; });
+    const elapsed = Date.now() - t0;
+    assert.equal(r.outcome, Outcome.IN_FLIGHT, `answered ${r.outcome} (${r.error})`);
+    assert.equal(r.error, null);
+    assert.equal(r.token, null);
+    assert.equal(r.response, null);
+    assert.equal(calls, 0);
+    assert.ok(elapsed >= 1900, `answered after ${elapsed} ms, before the wait ran out`);
+    assert.ok(r.leaseUntil instanceof Date);
+    assert.equal(r.leaseUntil.getTime(), holder.claim.leaseUntil.getTime());
+  } finally {
+    holder.open({ status: 200, body: 'ok' });
+    assert.equal((await holder.done).outcome, Outcome.EXECUTED);
+  }
+});
+
+test('waitFor on a database whose idem_begin has no wait_for: the six-argument call, asked again only after a while', async (t) => {
+  const admin = new pg.Client();
+  await admin.connect();
+  // A schema with the functions as a database without wait_for has them.
+  await admin.query(`CREATE SCHEMA IF NOT EXISTS idem_nowait;
+    CREATE OR REPLACE FUNCTION idem_nowait.idem_begin(text, text, interval, interval, text, boolean)
+      RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
+                     lease_until timestamptz, expires_at timestamptz)
+      LANGUAGE sql AS $$ SELECT * FROM public.idem_begin($1, $2, $3, $4, $5, $6) $$;
+    CREATE OR REPLACE FUNCTION idem_nowait.idem_complete(text, text, integer, bytea, bigint, interval, text)
+      RETURNS timestamptz LANGUAGE sql AS $$ SELECT public.idem_complete($1, $2, $3, $4, $5, $6, $7) $$;`);
+  t.after(async () => {
+    await admin.query('DROP SCHEMA idem_nowait CASCADE');
+    await admin.end();
+  });
+  const texts = [];
+  const spy = {
+    async connect() {
+      const c = await pool.connect();
+      return {
+        query: (q, v) => {
+          texts.push(typeof q === 'string' ? q : q.text);
+          return c.query(q, v);
+        },
+        release: (e) => c.release(e),
+        on: (...a) => c.on(...a),
+      };
+    },
+  };
+  const calls = () => texts.filter((q) => q.includes('idem_begin'));
+  const guard = new Guard(spy, { schema: 'idem_nowait', waitFor: 5000 });
+  const key = uniqueKey('nowait');
+  const r = await guard.do(key, 'fp', async () => ({ status: 201, body: 'made' }));
+  assert.equal(r.outcome, Outcome.EXECUTED, `answered ${r.outcome} (${r.error})`);
+  assert.equal(r.failedStep, null);
+  const first = calls();
+  assert.equal(first.length, 2);
+  assert.match(first[0], /\$7::interval\)/);
+  assert.doesNotMatch(first[1], /\$7/);
+  const again = await guard.do(key, 'fp', async () => ({ status: 500 }));
+  assert.equal(again.outcome, Outcome.REPLAYED);
+  assert.deepEqual(again.response.body, Buffer.from('made'));
+  assert.equal(calls().length, 3, 'the second call goes straight to the six-argument form');
+  assert.doesNotMatch(calls()[2], /\$7/);
 });
 
 test('conflict: the key with another fingerprint, nothing revealed, the handler not called', async () => {
@@ -317,6 +448,10 @@ test('bad options and arguments are TypeErrors', async () => {
   assert.throws(() => new Guard(pool, { clockOffset: 1.5 }), TypeError);
   assert.throws(() => new Guard(pool, { lease: -5 }), TypeError);
   assert.throws(() => new Guard(pool, { retention: {} }), TypeError);
+  assert.throws(() => new Guard(pool, { waitFor: -1 }), TypeError);
+  assert.throws(() => new Guard(pool, { waitFor: '5s' }), TypeError);
+  assert.throws(() => new Guard(pool, { waitFor: 1000, wait: false }), TypeError);
+  assert.equal(new Guard(pool, { waitFor: null }).options.waitFor, 0);
   // An offset function is read per call: a bad value there makes that call fail, the handler unrun.
   let calls = 0;
   const r = await new Guard(pool, { clockOffset: () => 1.5 }).do(uniqueKey('offset'), 'fp', async () => { calls += 1; return { status: 200 }; });

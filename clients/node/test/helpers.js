@@ -47,6 +47,37 @@ async function untilServerPast(db, ts, ms = 30000) {
   if (!past) throw new Error(`the server clock did not pass ${ts.toISOString()} within ${ms} ms`);
 }
 
+/**
+ * Wait until n connections named appName (application_name) are running an
+ * idem_begin call, i.e. waiting in the server; throws after ms.
+ */
+async function untilWaitingInServer(db, appName, n = 1, ms = 30000) {
+  const count = async () => Number((await db.query(
+    "SELECT count(*) AS n FROM pg_catalog.pg_stat_activity WHERE application_name = $1::text AND state = 'active'" +
+    " AND query LIKE '%idem_begin%'", [appName])).rows[0].n);
+  const seen = await waitFor(async () => (await count()) >= n, ms);
+  if (!seen) throw new Error(`${appName}: ${await count()} calls waiting in the server, not ${n}, after ${ms} ms`);
+}
+
+/**
+ * A guard holding key with its handler parked on a gate: resolves once the
+ * claim is committed; open(outcome) lets the handler answer (or throw).
+ */
+async function holdKey(guard, key, fingerprint = 'fp') {
+  let open;
+  const gate = new Promise((resolve) => { open = resolve; });
+  let claimed;
+  const started = new Promise((resolve) => { claimed = resolve; });
+  const done = guard.do(key, fingerprint, async (claim) => {
+    claimed(claim);
+    const answer = await gate;
+    if (answer instanceof Error) throw answer;
+    return answer;
+  });
+  const claim = await Promise.race([started, done.then((r) => { throw new Error(`the holder did not run: ${r.outcome}`); })]);
+  return { claim, open, done };
+}
+
 /** The reference test's ledger: stock, one reservation and one charge per key. */
 class Ledger {
   constructor(stock) {
@@ -117,5 +148,5 @@ function deadPool() {
 }
 
 module.exports = {
-  uniqueKey, makePool, sleep, waitFor, untilServerPast, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool,
+  uniqueKey, makePool, sleep, waitFor, untilServerPast, untilWaitingInServer, holdKey, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool,
 };

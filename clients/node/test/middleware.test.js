@@ -4,7 +4,7 @@
 
 const test = require('node:test');
 const assert = require('node:assert/strict');
-const { makePool, uniqueKey, sleep, waitFor, lookup, listen, deadPool } = require('./helpers');
+const { makePool, uniqueKey, sleep, waitFor, untilWaitingInServer, lookup, listen, deadPool } = require('./helpers');
 const { createApp } = require('./app');
 
 const pool = makePool({ max: 12 });
@@ -97,8 +97,8 @@ test('replay: same status, body, Content-Type and Location, with the replay mark
   assert.equal(state.calls.patch, 1);
 });
 
-test('409 with Retry-After while the first request is in flight; then the replay', async () => {
-  const { url, state } = await start({ retryAfter: 2 });
+test('waitFor 0: 409 with retryAfter at once while the first request is in flight; then the replay', async () => {
+  const { url, state } = await start({ retryAfter: 2, waitFor: 0 });
   let open;
   state.gate = new Promise((resolve) => { open = resolve; });
   const key = uniqueKey('inflight');
@@ -118,7 +118,7 @@ test('409 with Retry-After while the first request is in flight; then the replay
 });
 
 test('the client drops the connection mid-request: the handler finishes, the response is stored, the retry replays it', async () => {
-  const { url, state } = await start({});
+  const { url, state } = await start({ waitFor: 0 });
   let open;
   state.gate = new Promise((resolve) => { open = resolve; });
   const key = uniqueKey('client-abort');
@@ -142,6 +142,88 @@ test('the client drops the connection mid-request: the handler finishes, the res
   assert.equal(retry.headers.get('idempotent-replayed'), 'true');
   assert.deepEqual(await retry.json(), { slow: true });
   assert.equal(state.calls.slow, 1);
+});
+
+test('a retry waits for the first request and gets its answer replayed; 409 only when the wait runs out, Retry-After until its lease ends', async (t) => {
+  const named = makePool({ max: 4, application_name: 'idem-wait-http' });
+  t.after(() => named.end());
+  const { url, state } = await start({ waitFor: 1500, lease: 30000, retryAfter: 7 }, named);
+  let open;
+  state.gate = new Promise((resolve) => { open = resolve; });
+  try {
+    const key = uniqueKey('wait-http');
+    const first = post(`${url}/slow`, key, { n: 1 });
+    while (!state.calls.slow) await sleep(5);
+    const t0 = Date.now();
+    const busy = await post(`${url}/slow`, key, { n: 1 });
+    const elapsed = Date.now() - t0;
+    assert.equal(busy.status, 409);
+    assert.ok(elapsed >= 1400, `409 after ${elapsed} ms, before the wait ran out`);
+    assert.equal((await busy.json()).status, 409);
+    // Seconds until the first request's lease (30 s) ends: neither retryAfter (7) nor past the lease.
+    const after = Number(busy.headers.get('retry-after'));
+    assert.ok(Number.isInteger(after) && after > 7 && after <= 30, `Retry-After ${busy.headers.get('retry-after')}`);
+    const row = await lookup(pool, key);
+    assert.equal(row.state, 'PROCESSING');
+
+    // This retry is still waiting when the first request answers: it gets that answer.
+    const retry = post(`${url}/slow`, key, { n: 1 });
+    await untilWaitingInServer(pool, 'idem-wait-http');
+    open();
+    const answered = await first;
+    assert.equal(answered.status, 201);
+    assert.equal(answered.headers.get('idempotent-replayed'), null);
+    const replay = await retry;
+    assert.equal(replay.status, 201);
+    assert.equal(replay.headers.get('idempotent-replayed'), 'true');
+    assert.deepEqual(await replay.json(), await answered.json());
+    assert.equal(state.calls.slow, 1);
+  } finally {
+    open();
+  }
+});
+
+test('twenty concurrent POSTs with one key, a handler of 2 s: one execution, nineteen replays of its body, no 409', async (t) => {
+  // Each waiting retry holds a pool connection: room for all of them and the first request's idem_complete.
+  const big = makePool({ max: 25 });
+  t.after(() => big.end());
+  const { url, state } = await start({}, big);
+  const key = uniqueKey('twenty');
+  const responses = await Promise.all(Array.from({ length: 20 }, () => post(`${url}/long`, key, { job: 20 })));
+  const bodies = await Promise.all(responses.map((r) => r.text()));
+  const statuses = responses.map((r) => r.status);
+  assert.equal(statuses.filter((s) => s === 409).length, 0, `statuses ${statuses}`);
+  assert.deepEqual(statuses, Array(20).fill(201), `statuses ${statuses}`);
+  const replayed = responses.filter((r) => r.headers.get('idempotent-replayed') === 'true').length;
+  assert.equal(replayed, 19);
+  assert.equal(state.calls.long, 1);
+  const fresh = bodies[responses.findIndex((r) => r.headers.get('idempotent-replayed') === null)];
+  assert.equal(JSON.parse(fresh).long, 1);
+  for (const b of bodies) assert.equal(b, fresh);
+  const row = await lookup(pool, key);
+  assert.equal(row.state, 'DONE');
+  assert.equal(JSON.parse(fresh).token, String(row.token));
+});
+
+test('waitFor is the middleware\'s own: checked at mount, 0 by default with wait: false', async () => {
+  assert.throws(() => createApp(pool, { waitFor: 1000, wait: false }), TypeError);
+  assert.throws(() => createApp(pool, { waitFor: -1 }), TypeError);
+  // wait: false answers at once, so the default wait is none.
+  const { url, state } = await start({ wait: false, retryAfter: 3 });
+  let open;
+  state.gate = new Promise((resolve) => { open = resolve; });
+  try {
+    const key = uniqueKey('nowait-http');
+    const first = post(`${url}/slow`, key, {});
+    while (!state.calls.slow) await sleep(5);
+    const busy = await post(`${url}/slow`, key, {});
+    assert.equal(busy.status, 409);
+    assert.equal(busy.headers.get('retry-after'), '3');
+    open();
+    assert.equal((await first).status, 201);
+  } finally {
+    open();
+  }
 });
 
 test('422 when the key is reused with another payload', async () => {

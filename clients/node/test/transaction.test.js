@@ -6,7 +6,7 @@
 const test = require('node:test');
 const assert = require('node:assert/strict');
 const { Guard, Outcome, transaction, IdemError } = require('..');
-const { makePool, uniqueKey, sleep, lookup, countOutcomes } = require('./helpers');
+const { makePool, uniqueKey, sleep, lookup, countOutcomes, untilWaitingInServer, holdKey } = require('./helpers');
 
 const pool = makePool({ max: 12 });
 const table = `stock_${process.pid}`;
@@ -140,6 +140,53 @@ test('conflict and in flight: nothing written, the handler not called', async ()
     await held;
     assert.equal(calls.n, 1);
     assert.equal(await stockOf('E'), 9);
+  } finally {
+    c.release();
+  }
+});
+
+test('waitFor: the helper waits for a guard\'s claim and replays its answer; when the wait runs out, in flight with its lease_until', async (t) => {
+  await resetStock('W', 10);
+  const waiters = makePool({ max: 1, application_name: 'idem-wait-tx' });
+  let holder = null;
+  t.after(async () => {
+    if (holder) holder.open({ status: 200 }); // a test that fails with the holder parked ends it
+    await waiters.end();
+  });
+  const c = await waiters.connect();
+  const calls = { n: 0 };
+  const guard = new Guard(pool, { lease: 60000 });
+  try {
+    const key = uniqueKey('tx-wait');
+    holder = await holdKey(guard, key);
+    // timeout alone (1 s) is shorter than the wait: the budget of the claim is timeout + waitFor.
+    const waiting = transaction(c, key, 'fp', order('W', 0, calls), { waitFor: 30000, timeout: 1000 });
+    await untilWaitingInServer(pool, 'idem-wait-tx');
+    await sleep(1500); // past timeout alone
+    holder.open({ status: 202, body: Buffer.from([1, 0, 255]) });
+    assert.equal((await holder.done).outcome, Outcome.EXECUTED);
+    const r = await waiting;
+    assert.equal(r.outcome, Outcome.REPLAYED);
+    assert.equal(r.response.status, 202);
+    assert.deepEqual(r.response.body, Buffer.from([1, 0, 255]));
+    assert.equal(calls.n, 0);
+    assert.equal(await stockOf('W'), 10);
+    // The session's own timeouts are untouched afterwards.
+    assert.equal((await c.query('SHOW statement_timeout')).rows[0].statement_timeout, '0');
+
+    const key2 = uniqueKey('tx-wait-out');
+    const holder2 = await holdKey(guard, key2);
+    try {
+      const t0 = Date.now();
+      const r2 = await transaction(c, key2, 'fp', order('W', 0, calls), { waitFor: 1500 });
+      assert.equal(r2.outcome, Outcome.IN_FLIGHT);
+      assert.ok(Date.now() - t0 >= 1400, `answered after ${Date.now() - t0} ms, before the wait ran out`);
+      assert.equal(r2.leaseUntil.getTime(), holder2.claim.leaseUntil.getTime());
+      assert.equal(calls.n, 0);
+    } finally {
+      holder2.open({ status: 200 });
+      await holder2.done;
+    }
   } finally {
     c.release();
   }
