@@ -59,3 +59,97 @@ CREATE OR REPLACE FUNCTION @extschema@.idem_stats(
 RETURNS SETOF record
 AS 'MODULE_PATHNAME', 'idem_stats_1_3'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+/*
+ * idem_begin gains wait_for: a duplicate of a request whose claim is
+ * committed and still running waits for its result (a replay), its
+ * release or the end of its lease (a claim), at most wait_for, instead of
+ * being told the key is in flight.  A trailing parameter with a default,
+ * so every call of idem_begin stays as it is; its signature changes, so
+ * the function is dropped and created again, and the privileges
+ * administrators granted on it are granted again on the new one, after
+ * anything the default privileges of the role running the update gave
+ * it is revoked.  Its initial privileges are set to the owner's alone, as
+ * CREATE EXTENSION records them, so that pg_dump dumps the grants.  A
+ * role's name is its regrole text, already quoted where it needs to be.
+ */
+DO $$
+DECLARE
+	func_acl	pg_catalog.aclitem[];
+	r			record;
+BEGIN
+	SELECT p.proacl INTO func_acl FROM pg_catalog.pg_proc p
+	 WHERE p.oid OPERATOR(pg_catalog.=)
+		   '@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool)'::pg_catalog.regprocedure;
+
+	DROP FUNCTION @extschema@.idem_begin(pg_catalog.text, pg_catalog.text,
+		pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool);
+
+	CREATE FUNCTION @extschema@.idem_begin(key pg_catalog.text, fingerprint pg_catalog.text,
+										   lease pg_catalog.interval DEFAULT NULL,
+										   retention pg_catalog.interval DEFAULT NULL,
+										   scope pg_catalog.text DEFAULT '',
+										   wait pg_catalog.bool DEFAULT true,
+										   wait_for pg_catalog.interval DEFAULT NULL)
+	RETURNS TABLE (claimed pg_catalog.bool, state pg_catalog.text, token pg_catalog.int8,
+				   status pg_catalog.int4, body pg_catalog.bytea,
+				   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz)
+	AS 'MODULE_PATHNAME', 'idem_begin'
+	LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
+
+	FOR r IN
+		SELECT a.grantee
+		  FROM pg_catalog.pg_proc p
+		 CROSS JOIN LATERAL pg_catalog.aclexplode(p.proacl) a
+		 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool, pg_catalog.interval)'::pg_catalog.regprocedure
+		   AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+		   AND a.grantee OPERATOR(pg_catalog.<>) 0
+	LOOP
+		EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION %s FROM %s CASCADE',
+			'@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool, pg_catalog.interval)'::pg_catalog.regprocedure,
+			r.grantee::pg_catalog.regrole::pg_catalog.text);
+	END LOOP;
+	REVOKE ALL ON FUNCTION @extschema@.idem_begin(pg_catalog.text, pg_catalog.text,
+		pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool,
+		pg_catalog.interval) FROM PUBLIC;
+
+	FOR r IN SELECT a.* FROM pg_catalog.aclexplode(func_acl) a
+	LOOP
+		CONTINUE WHEN r.grantee OPERATOR(pg_catalog.=) r.grantor;
+		EXECUTE pg_catalog.format('GRANT %s ON FUNCTION %s TO %s%s', r.privilege_type,
+			'@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool, pg_catalog.interval)'::pg_catalog.regprocedure,
+			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END,
+			CASE WHEN r.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+	END LOOP;
+END
+$$;
+
+UPDATE pg_catalog.pg_init_privs i
+   SET initprivs = ARRAY[pg_catalog.makeaclitem(p.proowner, p.proowner,
+												'EXECUTE', false)]
+  FROM pg_catalog.pg_proc p
+ WHERE i.classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+   AND i.objoid OPERATOR(pg_catalog.=) p.oid
+   AND i.objsubid OPERATOR(pg_catalog.=) 0
+   AND p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool, pg_catalog.interval)'::pg_catalog.regprocedure;
+
+/*
+ * The functions Citus delegates, with idem_begin's new signature (run
+ * idem_distribute() again on a distributed idem.keys to register it).
+ */
+CREATE OR REPLACE FUNCTION @extschema@.idem_distributed_functions(
+	OUT signature pg_catalog.regprocedure, OUT key_arg integer, OUT scope_arg integer)
+RETURNS SETOF record
+LANGUAGE sql IMMUTABLE
+SET search_path = pg_catalog
+AS $$
+	SELECT f.signature::pg_catalog.regprocedure, f.key_arg, f.scope_arg
+	  FROM (VALUES
+		('@extschema@.idem_begin(text, text, interval, interval, text, boolean, interval)', 1, 5),
+		('@extschema@.idem_complete(text, text, integer, bytea, bigint, interval, text)', 1, 7),
+		('@extschema@.idem_release(text, bigint, text)', 1, 3),
+		('@extschema@.idem_extend(text, bigint, interval, text)', 1, 4),
+		('@extschema@.idem_lookup(text, text)', 1, 2)
+	  ) AS f(signature, key_arg, scope_arg)
+$$;

@@ -47,11 +47,18 @@ CREATE TABLE idem.keys (
 ) WITH (fillfactor = 90);
 REVOKE ALL ON idem.keys, idem.token_seq FROM PUBLIC;
 
+/*
+ * Claim a key, replay its response, or report it in flight or in
+ * conflict; with wait_for, a duplicate of a request whose claim is
+ * committed and still running waits for its result, its release or the
+ * end of its lease (at most wait_for) instead.
+ */
 CREATE FUNCTION @extschema@.idem_begin(key pg_catalog.text, fingerprint pg_catalog.text,
 									   lease pg_catalog.interval DEFAULT NULL,
 									   retention pg_catalog.interval DEFAULT NULL,
 									   scope pg_catalog.text DEFAULT '',
-									   wait pg_catalog.bool DEFAULT true)
+									   wait pg_catalog.bool DEFAULT true,
+									   wait_for pg_catalog.interval DEFAULT NULL)
 RETURNS TABLE (claimed pg_catalog.bool, state pg_catalog.text, token pg_catalog.int8,
 			   status pg_catalog.int4, body pg_catalog.bytea,
 			   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz)
@@ -149,7 +156,7 @@ SET search_path = pg_catalog
 AS $$
 	SELECT f.signature::pg_catalog.regprocedure, f.key_arg, f.scope_arg
 	  FROM (VALUES
-		('@extschema@.idem_begin(text, text, interval, interval, text, boolean)', 1, 5),
+		('@extschema@.idem_begin(text, text, interval, interval, text, boolean, interval)', 1, 5),
 		('@extschema@.idem_complete(text, text, integer, bytea, bigint, interval, text)', 1, 7),
 		('@extschema@.idem_release(text, bigint, text)', 1, 3),
 		('@extschema@.idem_extend(text, bigint, interval, text)', 1, 4),
@@ -232,7 +239,7 @@ $$;
 REVOKE ALL ON FUNCTION
 	@extschema@.idem_begin(pg_catalog.text, pg_catalog.text,
 						   pg_catalog.interval, pg_catalog.interval,
-						   pg_catalog.text, pg_catalog.bool),
+						   pg_catalog.text, pg_catalog.bool, pg_catalog.interval),
 	@extschema@.idem_complete(pg_catalog.text, pg_catalog.text,
 							  pg_catalog.int4, pg_catalog.bytea,
 							  pg_catalog.int8, pg_catalog.interval,

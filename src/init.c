@@ -13,6 +13,7 @@
 #include "compat.h"
 #include "settings.h"
 #include "stats.h"
+#include "waits.h"
 #include "worker.h"
 
 IDEM_MODULE_MAGIC;
@@ -32,5 +33,6 @@ _PG_init(void)
 		return;
 
 	idem_stats_shmem_init();
+	idem_waits_shmem_init();
 	idem_worker_register();
 }

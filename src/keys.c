@@ -31,6 +31,7 @@
 #include "postgres.h"
 
 #include "access/xact.h"
+#include "storage/proc.h"
 #include "fmgr.h"
 #include "funcapi.h"
 #include "miscadmin.h"
@@ -46,6 +47,7 @@
 #include "settings.h"
 #include "sha256.h"
 #include "stats.h"
+#include "waits.h"
 
 PG_FUNCTION_INFO_V1(idem_begin);
 PG_FUNCTION_INFO_V1(idem_complete);
@@ -87,11 +89,23 @@ typedef struct ClaimArgs
 {
 	bytea	   *fingerprint;
 	bool		wait;
+	Interval   *lease;			/* as given; NULL for the default */
+	Interval   *retention;
 	TimestampTz now;
-	TimestampTz lease_until;
+	TimestampTz lease_until;	/* of a claim made now */
 	TimestampTz expires_at;
+	TimestampTz wait_until;		/* wait_for: 0, or when the wait ends */
+	TimestampTz lock_wait_until;	/* lock_timeout: 0, or when it ends */
 	MemoryContext result_cxt;	/* where a replayed body is copied */
 } ClaimArgs;
+
+/* What decide() found out about a key's row. */
+typedef enum Decision
+{
+	DECISION_ANSWERED,			/* the result is set: replay, conflict, own claim */
+	DECISION_IN_FLIGHT,			/* a committed claim whose lease is live */
+	DECISION_CLAIM				/* the window or the lease is over: claim it */
+} Decision;
 
 /*
  * Tokens of the claims this transaction made, so that "this transaction
@@ -215,20 +229,21 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 }
 
 /*
- * Answer a claim from an existing row without writing, or return false
- * if the answer is a claim of the row: its window or its lease is over.
+ * Answer a claim from an existing row without writing, or tell that the
+ * key is in flight elsewhere, or that the answer is a claim of the row:
+ * its window or its lease is over.
  */
-static bool
+static Decision
 decide(ClaimArgs *args, KeyRow *row, ClaimResult *res)
 {
 	if (row->expires_at <= args->now)
-		return false;			/* the window is over: the key is new again */
+		return DECISION_CLAIM;	/* the window is over: the key is new again */
 	if (!same_fingerprint(row, args->fingerprint))
 	{
 		/* Reveal nothing of the stored request or response. */
 		res->state = CLAIM_CONFLICT;
 		idem_stats_count(IDEM_STAT_CONFLICTS);
-		return true;
+		return DECISION_ANSWERED;
 	}
 	if (row->done)
 	{
@@ -239,19 +254,27 @@ decide(ClaimArgs *args, KeyRow *row, ClaimResult *res)
 		res->has_expiry = true;
 		res->expires_at = row->expires_at;
 		idem_stats_count(IDEM_STAT_REPLAYS);
-		return true;
+		return DECISION_ANSWERED;
 	}
 	if (holds_claim(row))
 	{
 		set_claimed(res, row->token, row->lease_until, row->expires_at);
-		return true;
+		return DECISION_ANSWERED;
 	}
 	if (row->has_lease && args->now < row->lease_until)
-	{
-		set_in_flight(res, row);
-		return true;
-	}
-	return false;				/* the holder's lease is over: take it over */
+		return DECISION_IN_FLIGHT;
+	return DECISION_CLAIM;		/* the holder's lease is over: take it over */
+}
+
+/* The lease and window of a claim made now, after a wait. */
+static void
+claim_args_now(ClaimArgs *args)
+{
+	args->now = idem_now();
+	args->lease_until = idem_window_end(args->now, args->lease,
+										idem_default_lease, "lease");
+	args->expires_at = idem_window_end(args->now, args->retention,
+									   idem_default_retention, "retention");
 }
 
 /*
@@ -315,6 +338,46 @@ changed_since_snapshot(text *key, bool deleted)
 }
 
 /*
+ * A key in flight elsewhere, its claim committed: with wait_for, sleep
+ * until its holder commits a change of it, its lease ends, or the wait
+ * does.  Returns true if the key is worth a new look, false if the answer
+ * is in flight.  In REPEATABLE READ and SERIALIZABLE the snapshot would
+ * not show what the holder committed: a key changed since is a
+ * serialization failure, as a claim of it would be.
+ */
+static bool
+wait_for_holder(KeyTable *kt, ClaimArgs *args, KeyRow *row)
+{
+	TimestampTz until;
+	bool		slept;
+
+	if (args->wait_until == 0)
+		return false;
+	until = Min(args->wait_until, row->lease_until);
+	if (args->lock_wait_until != 0)
+		until = Min(until, args->lock_wait_until);
+	slept = idem_waits_sleep(until);
+	claim_args_now(args);
+	if (args->lock_wait_until != 0 && args->now >= args->lock_wait_until &&
+		args->now < row->lease_until)
+		ereport(ERROR,
+				(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+				 errmsg("canceling statement due to lock timeout"),
+				 errcontext("waiting for the result of idempotency key \"%s\"",
+							idem_key_for_message(kt->key))));
+	if (IsolationUsesXactSnapshot())
+	{
+		KeyWaiter	waiter;
+		KeyProbe	probe = idem_keytable_probe(kt, &waiter);
+
+		if ((probe == PROBE_COMMITTED && !ItemPointerEquals(&waiter.tid, &row->tid)) ||
+			probe == PROBE_NONE)
+			changed_since_snapshot(kt->key, probe == PROBE_NONE);
+	}
+	return slept || args->now >= row->lease_until;
+}
+
+/*
  * Claim a key, or find out why not; see the file header.  Nothing is
  * written before a look at the key with a dirty snapshot shows that the
  * write can succeed, as ExecInsert's pre-check does: a key another
@@ -335,14 +398,25 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		KeyWaiter	waiter;
 		KeyValues	kv;
 		KeyProbe	probe;
+		Decision	decision;
 
 		CHECK_FOR_INTERRUPTS();
 		if (IsolationUsesXactSnapshot())
 		{
 			/* What the transaction's snapshot shows, then what is there now. */
 			if (idem_keytable_read(kt, &row, args->result_cxt) &&
-				decide(args, &row, res))
+				(decision = decide(args, &row, res)) != DECISION_CLAIM)
+			{
+				if (decision == DECISION_IN_FLIGHT &&
+					wait_for_holder(kt, args, &row))
+				{
+					round--;	/* time passed: not a round */
+					continue;
+				}
+				if (decision == DECISION_IN_FLIGHT)
+					set_in_flight(res, &row);
 				return;
+			}
 			probe = idem_keytable_probe(kt, &waiter);
 			if ((probe == PROBE_COMMITTED &&
 				 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
@@ -353,8 +427,19 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		{
 			/* One look shows the committed row and who is changing it. */
 			probe = idem_keytable_look(kt, &row, &waiter, args->result_cxt);
-			if (row.found && decide(args, &row, res))
+			if (row.found &&
+				(decision = decide(args, &row, res)) != DECISION_CLAIM)
+			{
+				if (decision == DECISION_IN_FLIGHT &&
+					wait_for_holder(kt, args, &row))
+				{
+					round--;	/* time passed: not a round */
+					continue;
+				}
+				if (decision == DECISION_IN_FLIGHT)
+					set_in_flight(res, &row);
 				return;
+			}
 		}
 
 		/* The key is free, its window or its lease over: look before writing. */
@@ -459,22 +544,42 @@ idem_begin(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
 				 errmsg("wait must not be null")));
 	args.wait = PG_GETARG_BOOL(5);
-	args.now = idem_now();
-	args.lease_until = idem_window_end(args.now, interval_arg(fcinfo, 2),
-									   idem_default_lease, "lease");
-	args.expires_at = idem_window_end(args.now, interval_arg(fcinfo, 3),
-									  idem_default_retention, "retention");
+	args.lease = interval_arg(fcinfo, 2);
+	args.retention = interval_arg(fcinfo, 3);
+	claim_args_now(&args);
 	if (args.lease_until > args.expires_at)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("lease must not be longer than retention")));
+	/* wait_for, the seventh argument of the 1.4 overload */
+	args.wait_until = 0;
+	args.lock_wait_until = 0;
+	if (PG_NARGS() > 6 && !PG_ARGISNULL(6))
+	{
+		Interval   *wait_for = PG_GETARG_INTERVAL_P(6);
+
+		if (wait_for->month != 0 || wait_for->day != 0 || wait_for->time != 0)
+		{
+			if (!args.wait)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("wait_for needs wait => true")));
+			args.wait_until = idem_window_end(args.now, wait_for, 0, "wait_for");
+			if (LockTimeout > 0)
+				args.lock_wait_until = args.now + (int64) LockTimeout * 1000;
+		}
+	}
 	args.result_cxt = CurrentMemoryContext;
 
 	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
 
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
+	if (args.wait_until != 0)
+		idem_waits_prepare(scope, key);
 	claim_key(&kt, &args, &res);
+	if (args.wait_until != 0)
+		idem_waits_done();
 	idem_keytable_close(&kt);
 
 	memset(nulls, true, sizeof(nulls));
@@ -827,7 +932,10 @@ idem_complete(PG_FUNCTION_ARGS)
 
 	write_held_row(&hc, &kv);
 	if (kv.done)
+	{
 		idem_stats_count(IDEM_STAT_COMPLETES);
+		idem_waits_note_change(hc.scope, hc.key);
+	}
 	PG_RETURN_TIMESTAMPTZ(kv.expires_at);
 }
 
@@ -845,7 +953,10 @@ idem_release(PG_FUNCTION_ARGS)
 	held_call_init(&hc, HELD_RELEASE, "idem_release()", fcinfo, 1, 2);
 	released = write_held_row(&hc, &kv);
 	if (released)
+	{
 		idem_stats_count(IDEM_STAT_RELEASES);
+		idem_waits_note_change(hc.scope, hc.key);
+	}
 	PG_RETURN_BOOL(released);
 }
 

@@ -17,7 +17,7 @@ LANGUAGE sql AS $$
 	SELECT has_schema_privilege(r.oid, 'idem', 'USAGE'),
 		   has_table_privilege(r.oid, 'idem.keys', 'SELECT'),
 		   has_sequence_privilege(r.oid, 'idem.token_seq', 'USAGE'),
-		   has_function_privilege(r.oid, 'idem_begin(text,text,interval,interval,text,boolean)',
+		   has_function_privilege(r.oid, (SELECT p.oid FROM pg_proc p WHERE p.proname = 'idem_begin'),
 								  'EXECUTE'),
 		   has_function_privilege(r.oid, 'idem_stats()', 'EXECUTE'),
 		   has_function_privilege(r.oid, 'idem_stats()', 'EXECUTE WITH GRANT OPTION'),

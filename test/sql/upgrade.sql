@@ -151,7 +151,7 @@ RESET ROLE;
 -- the grant made before the update is not an initial one, so a dump keeps
 -- it.
 SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
-REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
+REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval)
   FROM regress_idem_upgrade_app;
 SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
 
@@ -189,7 +189,7 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_sequence_privilege('regress_idem_reporting', 'idem.token_seq', 'SELECT') AS seq_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select,
        has_function_privilege('regress_idem_reporting',
-                              'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE') AS may_begin;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS may_begin;
 SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
        AS same_as_fresh
   FROM ext_objects();
@@ -208,7 +208,7 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
        has_function_privilege('regress_idem_upgrade_app',
-                              'idem_begin(text,text,interval,interval,text,boolean)', 'EXECUTE') AS app_grant_kept;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS app_grant_kept;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
 
 -- An update from 1.2: idem_stats() gains purge_start_failures, so it and
