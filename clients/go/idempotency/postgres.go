@@ -70,8 +70,8 @@ var extended = pgx.QuerySimpleProtocol(false)
 const (
 	sqlBegin = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
 		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)"
-	// sqlBeginWait is idem_begin's form with wait_for (idem 1.4), used only
-	// for a call that waits, so that a database without it serves the rest.
+	// sqlBeginWait passes wait_for too (idem 1.4); only a call that waits
+	// uses it, so that a database before 1.4 serves the rest.
 	sqlBeginWait = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
 		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean, $7::interval)"
 	sqlComplete = "SELECT %s.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint, $6::interval, $7::text)"
@@ -232,13 +232,12 @@ func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now 
 }
 
 // BeginWait is Begin that waits in the server up to waitFor for a key in
-// flight (see Waiter): it calls idem_begin with wait_for (idem 1.4; the
-// role needs EXECUTE on idem_begin(text, text, interval, interval, text,
-// boolean, interval)).  waitFor 0 calls the six-argument form, as Begin
-// does.  The server ends the wait at waitFor; Timeout bounds the call at
-// Timeout + waitFor, and ctx's deadline must be later than waitFor, or the
-// wait is cancelled (57014).  Waiting needs NoWait false: the server
-// refuses NoWait with a wait (22023).
+// flight (see Waiter): it calls idem_begin with wait_for (idem 1.4).  With
+// waitFor 0 it passes no wait_for, as Begin does, and works with idem
+// before 1.4.  The server ends the wait at waitFor; Timeout bounds the
+// call at Timeout + waitFor, and ctx's deadline must be later than
+// waitFor, or the wait is cancelled (57014).  Waiting needs NoWait false:
+// the server refuses NoWait with a wait (22023).
 func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, now time.Time, lease, retention, waitFor time.Duration) (Record, bool, error) {
 	if err := s.fault("begin"); err != nil {
 		return Record{}, false, err

@@ -344,7 +344,7 @@ func TestWaitForPostgres(t *testing.T) {
 		_, _, err = store.BeginWait(bg, "wf-old", "fp", time.Now(), time.Minute, time.Hour, time.Second)
 		var pg *pgconn.PgError
 		if !errors.As(err, &pg) || pg.Code != "42883" {
-			t.Fatalf("with a wait: %v, want 42883 (the seven-argument form)", err)
+			t.Fatalf("with a wait: %v, want 42883 (no idem_begin with wait_for)", err)
 		}
 	})
 	t.Run("timeout_leaves_room_for_the_wait", func(t *testing.T) {
