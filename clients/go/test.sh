@@ -3,6 +3,8 @@
 #
 #   sh clients/go/test.sh
 #
+# The cluster listens on port 55432 unless IDEM_GO_TEST_PORT names another.
+#
 # The idem extension must be installed already (make install).  Installs
 # Debian's Go and pgx v4 packages if they are missing, starts a cluster
 # with test/cluster.sh (as root, its server runs as the user idemtest),
@@ -13,7 +15,7 @@ set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
-port=55432
+port=${IDEM_GO_TEST_PORT:-55432}
 dir=/tmp/idem-go-cluster.$$
 work=
 gotest=

@@ -41,6 +41,20 @@ type Guard struct {
 	// the claim was superseded, released or completed, the heartbeat stops
 	// and the handler's context is cancelled.
 	Heartbeat bool
+
+	// WaitFor makes a duplicate of a request in flight wait up to this
+	// long for the first request's answer instead of answering InFlight at
+	// once.  The store must be a Waiter, as MemoryStore and PostgresStore
+	// are; another store answers at once.  When the holder completes,
+	// the duplicate replays its response; when the holder releases or its
+	// lease ends, the duplicate claims the key and runs the handler; when
+	// WaitFor passes, the outcome is InFlight as before.  0 does not wait.
+	// ctx's deadline must be later than WaitFor: a deadline that ends the
+	// wait first makes the outcome Unavailable.  With a PostgresStore the
+	// server does the waiting (idem_begin's wait_for) and ends it at
+	// WaitFor; each waiting duplicate holds a connection of the pool for
+	// that time.
+	WaitFor time.Duration
 }
 
 func (g *Guard) now() time.Time {
@@ -48,6 +62,14 @@ func (g *Guard) now() time.Time {
 		return g.Now()
 	}
 	return time.Now()
+}
+
+// begin claims key, waiting up to WaitFor when the store can wait.
+func (g *Guard) begin(ctx context.Context, key, fingerprint string, now time.Time) (Record, bool, error) {
+	if w, ok := g.Store.(Waiter); ok && g.WaitFor > 0 {
+		return w.BeginWait(ctx, key, fingerprint, now, g.Lease, g.Retention, g.WaitFor)
+	}
+	return g.Store.Begin(ctx, key, fingerprint, now, g.Lease, g.Retention)
 }
 
 // answer turns a record that was not claimed into Do's result.
@@ -63,7 +85,8 @@ func answer(rec Record) (Response, Outcome, error) {
 }
 
 // Do claims key, then replays the stored response, refuses (in flight,
-// conflict), or runs fn and stores its response.  If the store cannot
+// conflict), or runs fn and stores its response.  With WaitFor, a key in
+// flight is waited for first.  If the store cannot
 // answer the claim, the outcome is Unavailable with ErrUnavailable and fn
 // does not run.  fn's context carries the claim and its fencing token
 // (ClaimFromContext, TokenFromContext).
@@ -73,7 +96,7 @@ func answer(rec Record) (Response, Outcome, error) {
 // visible, and the key stays in flight until its lease ends.
 func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context.Context) (Response, error)) (Response, Outcome, error) {
 	now := g.now()
-	rec, claimed, err := g.Store.Begin(ctx, key, fingerprint, now, g.Lease, g.Retention)
+	rec, claimed, err := g.begin(ctx, key, fingerprint, now)
 	if err != nil {
 		return Response{}, Unavailable, ErrUnavailable
 	}

@@ -43,7 +43,9 @@ type PostgresStore struct {
 	// Timeout bounds each call (0: no bound besides ctx).  It is applied as
 	// a context deadline and, for the transaction of the call, as
 	// lock_timeout and statement_timeout, so a call waiting for another
-	// transaction's claim is cancelled on the server too.
+	// transaction's claim is cancelled on the server too.  A BeginWait
+	// (Guard.WaitFor) is bounded by Timeout plus its waitFor, so that the
+	// timeout leaves the server's wait its full length.
 	Timeout time.Duration
 
 	pool *pgxpool.Pool
@@ -68,6 +70,10 @@ var extended = pgx.QuerySimpleProtocol(false)
 const (
 	sqlBegin = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
 		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)"
+	// sqlBeginWait passes wait_for too (idem 1.4); only a call that waits
+	// uses it, so that a database before 1.4 serves the rest.
+	sqlBeginWait = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
+		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean, $7::interval)"
 	sqlComplete = "SELECT %s.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint, $6::interval, $7::text)"
 	sqlRelease  = "SELECT %s.idem_release($1::text, $2::bigint, $3::text)"
 	sqlExtend   = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
@@ -93,10 +99,11 @@ func (s *PostgresStore) fault(op string) error {
 	return nil
 }
 
-// callContext bounds one call by Timeout.
-func (s *PostgresStore) callContext(ctx context.Context) (context.Context, context.CancelFunc) {
+// callContext bounds one call by Timeout plus the wait it may take in the
+// server.
+func (s *PostgresStore) callContext(ctx context.Context, wait time.Duration) (context.Context, context.CancelFunc) {
 	if s.Timeout > 0 {
-		return context.WithTimeout(ctx, s.Timeout)
+		return context.WithTimeout(ctx, s.Timeout+wait)
 	}
 	return context.WithCancel(ctx)
 }
@@ -109,15 +116,16 @@ func interval(d time.Duration) interface{} {
 	return d
 }
 
-// setLocals applies the clock offset and the timeouts to tx.
-func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time) error {
+// setLocals applies the clock offset and the timeouts, which leave room
+// for a wait in the server of up to wait, to tx.
+func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time, wait time.Duration) error {
 	if s.ClientClock {
 		if _, err := tx.Exec(ctx, sqlClock, extended, now); err != nil {
 			return err
 		}
 	}
 	if s.Timeout > 0 {
-		ms := int64(math.Ceil(float64(s.Timeout) / float64(time.Millisecond)))
+		ms := int64(math.Ceil(float64(s.Timeout+wait) / float64(time.Millisecond)))
 		if _, err := tx.Exec(ctx, sqlTimeouts, extended, fmt.Sprintf("%dms", ms)); err != nil {
 			return err
 		}
@@ -135,7 +143,7 @@ func (s *PostgresStore) inTx(ctx context.Context, now time.Time, fn func(pgx.Tx)
 		return err
 	}
 	defer rollback(tx)
-	if err := s.setLocals(ctx, tx, now); err != nil {
+	if err := s.setLocals(ctx, tx, now, 0); err != nil {
 		return err
 	}
 	if err := fn(tx); err != nil {
@@ -166,8 +174,9 @@ func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier
 	return s.inTx(ctx, now, func(tx pgx.Tx) error { return fn(tx) })
 }
 
-// beginRow runs idem_begin on q and makes its answer a Record.
-func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprint string, lease, retention time.Duration) (Record, bool, error) {
+// beginRow runs idem_begin on q and makes its answer a Record.  wait > 0
+// calls the form with wait_for.
+func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
 	var (
 		claimed               bool
 		state                 string
@@ -176,8 +185,15 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 		body                  []byte
 		leaseUntil, expiresAt *time.Time
 	)
-	err := q.QueryRow(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
-		s.Scope, !s.NoWait).Scan(&claimed, &state, &token, &status, &body, &leaseUntil, &expiresAt)
+	var row pgx.Row
+	if wait > 0 {
+		row = q.QueryRow(ctx, s.sql(sqlBeginWait), extended, key, fingerprint, interval(lease), interval(retention),
+			s.Scope, !s.NoWait, wait)
+	} else {
+		row = q.QueryRow(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
+			s.Scope, !s.NoWait)
+	}
+	err := row.Scan(&claimed, &state, &token, &status, &body, &leaseUntil, &expiresAt)
 	if err != nil {
 		return Record{}, false, mapError(err)
 	}
@@ -212,10 +228,24 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 // (timeout, lost connection), the claim is released at once so that no
 // claim is left that nobody holds.
 func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool, error) {
+	return s.BeginWait(ctx, key, fingerprint, now, lease, retention, 0)
+}
+
+// BeginWait is Begin that waits in the server up to waitFor for a key in
+// flight (see Waiter): it calls idem_begin with wait_for (idem 1.4).  With
+// waitFor 0 it passes no wait_for, as Begin does, and works with idem
+// before 1.4.  The server ends the wait at waitFor; Timeout bounds the
+// call at Timeout + waitFor, and ctx's deadline must be later than
+// waitFor, or the wait is cancelled (57014).  Waiting needs NoWait false:
+// the server refuses NoWait with a wait (22023).
+func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, now time.Time, lease, retention, waitFor time.Duration) (Record, bool, error) {
 	if err := s.fault("begin"); err != nil {
 		return Record{}, false, err
 	}
-	cctx, cancel := s.callContext(ctx)
+	if waitFor < 0 {
+		waitFor = 0
+	}
+	cctx, cancel := s.callContext(ctx, waitFor)
 	defer cancel()
 	var (
 		rec     Record
@@ -226,10 +256,10 @@ func (s *PostgresStore) Begin(ctx context.Context, key, fingerprint string, now 
 		return Record{}, false, err
 	}
 	defer rollback(tx)
-	if err := s.setLocals(cctx, tx, now); err != nil {
+	if err := s.setLocals(cctx, tx, now, waitFor); err != nil {
 		return Record{}, false, err
 	}
-	rec, claimed, err = s.beginRow(cctx, tx, key, fingerprint, lease, retention)
+	rec, claimed, err = s.beginRow(cctx, tx, key, fingerprint, lease, retention, waitFor)
 	if err != nil {
 		return Record{}, false, err
 	}
@@ -272,7 +302,7 @@ func (s *PostgresStore) Complete(ctx context.Context, key, fingerprint string, r
 	if t, ok := tokenFor(ctx, key); ok {
 		token = t
 	}
-	cctx, cancel := s.callContext(ctx)
+	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	return mapError(s.call(cctx, now, func(q querier) error {
 		var expires time.Time
@@ -296,7 +326,7 @@ func (s *PostgresStore) Release(ctx context.Context, key string, token int64, no
 	if err := s.fault("release"); err != nil {
 		return false, err
 	}
-	cctx, cancel := s.callContext(ctx)
+	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	var released bool
 	err := s.call(cctx, now, func(q querier) error {
@@ -312,7 +342,7 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 	if err := s.fault("extend"); err != nil {
 		return time.Time{}, err
 	}
-	cctx, cancel := s.callContext(ctx)
+	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	var until time.Time
 	err := s.call(cctx, now, func(q querier) error {
@@ -333,6 +363,10 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 // fn's writes nor the claim remain (unless the commit itself was cut off,
 // when its result is unknown).  The handler's context carries the claim
 // (WithClaim).  Lease, Heartbeat and ReleaseOnError do not apply.
+//
+// A retry waits for a claim that is not yet committed in any case; with
+// WaitFor, it also waits up to WaitFor for a committed claim in flight (one
+// that Do made), as Do does.
 func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(context.Context, pgx.Tx) (Response, error)) (Response, Outcome, error) {
 	s, ok := g.Store.(*PostgresStore)
 	if !ok {
@@ -347,15 +381,19 @@ func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(conte
 		return Response{}, Unavailable, ErrUnavailable
 	}
 	defer rollback(tx)
+	wait := g.WaitFor
+	if wait < 0 {
+		wait = 0
+	}
 	rec, claimed, err := func() (Record, bool, error) {
-		cctx, cancel := s.callContext(ctx)
+		cctx, cancel := s.callContext(ctx, wait)
 		defer cancel()
 		if s.ClientClock {
 			if _, err := tx.Exec(cctx, sqlClock, extended, now); err != nil {
 				return Record{}, false, err
 			}
 		}
-		return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention)
+		return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
 	}()
 	if err != nil {
 		return Response{}, Unavailable, ErrUnavailable
@@ -370,7 +408,7 @@ func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(conte
 	if err := s.fault("complete"); err != nil {
 		return resp, Executed, err
 	}
-	cctx, cancel := s.callContext(ctx)
+	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	var expires time.Time
 	err = tx.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),

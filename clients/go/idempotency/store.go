@@ -58,6 +58,17 @@ type Store interface {
 	Complete(ctx context.Context, key, fingerprint string, resp Response, now time.Time, retention time.Duration) error
 }
 
+// Waiter is a Store whose Begin can wait for a key in flight instead of
+// reporting it at once.  When key is held by another caller's claim whose
+// lease is live, BeginWait waits up to waitFor until the first of: the
+// holder completes (the record is Done: replay), the holder releases or
+// its lease ends (BeginWait claims the key), or waitFor passes (in flight,
+// with LeaseUntil telling when the holder's lease ends).  waitFor 0 is
+// Begin.  Guard.Do and Guard.DoTx call it when Guard.WaitFor is set.
+type Waiter interface {
+	BeginWait(ctx context.Context, key, fingerprint string, now time.Time, lease, retention, waitFor time.Duration) (Record, bool, error)
+}
+
 // Releaser is a Store that can give up a claim so that a retry may run at
 // once.  It reports whether a claim was released.
 type Releaser interface {
@@ -115,6 +126,11 @@ type MemoryStore struct {
 	mu        sync.Mutex
 	records   map[string]Record
 	lastToken int64
+	// changed is closed, and cleared, when a key is completed or released:
+	// callers waiting in BeginWait then look again.
+	changed chan struct{}
+	// waiting counts the callers waiting in BeginWait.
+	waiting int
 	// Fault, when set, is called with "begin", "complete", "release" or
 	// "extend" before each operation; an error fails that operation.
 	Fault func(op string) error
@@ -132,33 +148,85 @@ func (s *MemoryStore) fault(op string) error {
 
 // Begin claims key or reports it; see Store.
 func (s *MemoryStore) Begin(ctx context.Context, key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool, error) {
+	return s.BeginWait(ctx, key, fingerprint, now, lease, retention, 0)
+}
+
+// BeginWait is Begin that waits up to waitFor for a key in flight; see
+// Waiter.  The store's clock is the caller's now moved on by the time
+// waited, so a lease that ends during the wait lets this call claim the
+// key.  A cancelled ctx ends the wait with ctx's error.
+func (s *MemoryStore) BeginWait(ctx context.Context, key, fingerprint string, now time.Time, lease, retention, waitFor time.Duration) (Record, bool, error) {
+	start := time.Now()
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if err := s.fault("begin"); err != nil {
 		return Record{}, false, err
 	}
+	var waited time.Duration
+	for {
+		at := now.Add(waited)
+		rec, claimed := s.begin(key, fingerprint, at, lease, retention)
+		left := waitFor - waited
+		if claimed || rec.State != Processing || left <= 0 {
+			return rec, claimed, nil
+		}
+		if untilFree := rec.LeaseUntil.Sub(at); untilFree < left {
+			left = untilFree
+		}
+		if s.changed == nil {
+			s.changed = make(chan struct{})
+		}
+		changed := s.changed
+		s.waiting++
+		s.mu.Unlock()
+		timer := time.NewTimer(left)
+		select {
+		case <-changed:
+		case <-timer.C:
+		case <-ctx.Done():
+		}
+		timer.Stop()
+		s.mu.Lock()
+		s.waiting--
+		if err := ctx.Err(); err != nil {
+			return Record{}, false, err
+		}
+		waited = time.Since(start)
+	}
+}
+
+// begin claims key at now or reports it.
+func (s *MemoryStore) begin(key, fingerprint string, now time.Time, lease, retention time.Duration) (Record, bool) {
 	rec, ok := s.records[key]
 	if !ok || !now.Before(rec.ExpiresAt) {
 		s.lastToken++
 		rec = Record{Fingerprint: fingerprint, State: Processing, LeaseUntil: now.Add(lease),
 			ExpiresAt: now.Add(retention), Token: s.lastToken}
 		s.records[key] = rec
-		return rec, true, nil
+		return rec, true
 	}
 	if rec.Fingerprint != fingerprint {
 		rec.State = Conflict
 		rec.Token = 0
-		return rec, false, nil
+		return rec, false
 	}
 	if rec.State == Done || now.Before(rec.LeaseUntil) {
 		rec.Token = 0
-		return rec, false, nil
+		return rec, false
 	}
 	s.lastToken++
 	rec.LeaseUntil = now.Add(lease)
 	rec.Token = s.lastToken
 	s.records[key] = rec
-	return rec, true, nil
+	return rec, true
+}
+
+// wake lets the callers waiting in BeginWait look again.
+func (s *MemoryStore) wake() {
+	if s.changed != nil {
+		close(s.changed)
+		s.changed = nil
+	}
 }
 
 // Complete stores resp for key.  A key that is missing or has another
@@ -182,6 +250,7 @@ func (s *MemoryStore) Complete(ctx context.Context, key, fingerprint string, res
 	rec.LeaseUntil = time.Time{}
 	rec.ExpiresAt = now.Add(retention)
 	s.records[key] = rec
+	s.wake()
 	return nil
 }
 
@@ -202,6 +271,7 @@ func (s *MemoryStore) Release(ctx context.Context, key string, token int64, now 
 		return false, ErrSuperseded
 	}
 	delete(s.records, key)
+	s.wake()
 	return true, nil
 }
 
