@@ -57,7 +57,7 @@ typedef enum GuardWait
 
 /* Set *err from a printf-style message, with an empty SQLSTATE. */
 void
-guard_error(GuardError *err, const char *fmt,...)
+idem_guard_error(GuardError *err, const char *fmt,...)
 {
 	va_list		ap;
 
@@ -69,7 +69,7 @@ guard_error(GuardError *err, const char *fmt,...)
 
 /* Copy a libpq message into *err without its trailing newline. */
 void
-guard_error_text(GuardError *err, const char *sqlstate, const char *text)
+idem_guard_error_text(GuardError *err, const char *sqlstate, const char *text)
 {
 	size_t		len;
 
@@ -85,7 +85,7 @@ guard_error_text(GuardError *err, const char *sqlstate, const char *text)
 
 /* Move *ts by ms milliseconds (either way). */
 void
-guard_time_add(struct timespec *ts, long ms)
+idem_guard_time_add(struct timespec *ts, long ms)
 {
 	ts->tv_sec += ms / 1000;
 	ts->tv_nsec += (ms % 1000) * 1000000L;
@@ -103,15 +103,15 @@ guard_time_add(struct timespec *ts, long ms)
 
 /* Set *ts to ms milliseconds from now on the monotonic clock. */
 void
-guard_time_after(struct timespec *ts, long ms)
+idem_guard_time_after(struct timespec *ts, long ms)
 {
 	clock_gettime(CLOCK_MONOTONIC, ts);
-	guard_time_add(ts, ms);
+	idem_guard_time_add(ts, ms);
 }
 
 /* Milliseconds from now until the deadline (may be negative). */
 long
-guard_ms_until(const struct timespec *deadline)
+idem_guard_ms_until(const struct timespec *deadline)
 {
 	struct timespec now;
 
@@ -125,14 +125,14 @@ guard_ms_until(const struct timespec *deadline)
  * then, and given up GUARD_CANCEL_GRACE_MS later.
  */
 void
-guard_statement_deadline(struct timespec *deadline, int timeout_ms)
+idem_guard_statement_deadline(struct timespec *deadline, int timeout_ms)
 {
-	guard_time_after(deadline, (long) timeout_ms + GUARD_CANCEL_GRACE_MS);
+	idem_guard_time_after(deadline, (long) timeout_ms + GUARD_CANCEL_GRACE_MS);
 }
 
 /* Prepare a stop request that nobody has made yet. */
 void
-guard_stop_init(GuardStop *stop)
+idem_guard_stop_init(GuardStop *stop)
 {
 	memset(&stop->deadline, 0, sizeof(stop->deadline));
 	atomic_init(&stop->requested, false);
@@ -143,15 +143,15 @@ guard_stop_init(GuardStop *stop)
  * grace_ms from now.
  */
 void
-guard_stop_request(GuardStop *stop, long grace_ms)
+idem_guard_stop_request(GuardStop *stop, long grace_ms)
 {
-	guard_time_after(&stop->deadline, grace_ms);
+	idem_guard_time_after(&stop->deadline, grace_ms);
 	atomic_store_explicit(&stop->requested, true, memory_order_release);
 }
 
 /* True once a stop was requested (NULL: never); its deadline is then set. */
 bool
-guard_stop_requested(GuardStop *stop)
+idem_guard_stop_requested(GuardStop *stop)
 {
 	return stop != NULL &&
 		atomic_load_explicit(&stop->requested, memory_order_acquire);
@@ -168,7 +168,7 @@ poll_ms(const struct timespec *until, GuardStop *stop)
 
 	if (until != NULL)
 	{
-		ms = guard_ms_until(until);
+		ms = idem_guard_ms_until(until);
 		if (ms <= 0)
 			return 0;
 	}
@@ -195,18 +195,18 @@ flush_statement(PGconn *conn, const struct timespec *until, GuardStop *stop,
 			return true;
 		if (rc < 0)
 		{
-			guard_error_text(err, NULL, PQerrorMessage(conn));
+			idem_guard_error_text(err, NULL, PQerrorMessage(conn));
 			return false;
 		}
 		timeout = poll_ms(until, stop);
-		if (guard_stop_requested(stop))
+		if (idem_guard_stop_requested(stop))
 		{
-			guard_error(err, "statement stopped");
+			idem_guard_error(err, "statement stopped");
 			return false;
 		}
 		if (timeout == 0)
 		{
-			guard_error(err, "statement timed out");
+			idem_guard_error(err, "statement timed out");
 			err->timed_out = true;
 			return false;
 		}
@@ -216,14 +216,14 @@ flush_statement(PGconn *conn, const struct timespec *until, GuardStop *stop,
 		rc = poll(&pfd, 1, timeout);
 		if (rc < 0 && errno != EINTR)
 		{
-			guard_error(err, "could not wait for the server: %s",
+			idem_guard_error(err, "could not wait for the server: %s",
 						strerror(errno));
 			return false;
 		}
 		/* The server may answer early (an error): read it, then go on. */
 		if (rc > 0 && (pfd.revents & POLLIN) && !PQconsumeInput(conn))
 		{
-			guard_error_text(err, NULL, PQerrorMessage(conn));
+			idem_guard_error_text(err, NULL, PQerrorMessage(conn));
 			return false;
 		}
 	}
@@ -252,7 +252,7 @@ wait_result(PGconn *conn, const struct timespec *until, GuardStop *stop)
 	while (PQisBusy(conn))
 	{
 		struct pollfd pfd;
-		bool		stopped = guard_stop_requested(stop);
+		bool		stopped = idem_guard_stop_requested(stop);
 		int			timeout = stopped ? 0 : poll_ms(until, stop);
 		int			rc;
 
@@ -298,7 +298,7 @@ cancel_request(PGconn *conn, const struct timespec *deadline)
 		while (st != PGRES_POLLING_OK && st != PGRES_POLLING_FAILED)
 		{
 			struct pollfd pfd;
-			long		remaining = guard_ms_until(deadline);
+			long		remaining = idem_guard_ms_until(deadline);
 			int			rc;
 
 			if (remaining <= 0)
@@ -406,15 +406,15 @@ run_statement(PGconn *conn, const GuardStatement *st,
 	if (deadline != NULL)
 	{
 		cancel_at = *deadline;
-		guard_time_add(&cancel_at, -GUARD_CANCEL_GRACE_MS);
-		if (guard_ms_until(&cancel_at) > 0)
+		idem_guard_time_add(&cancel_at, -GUARD_CANCEL_GRACE_MS);
+		if (idem_guard_ms_until(&cancel_at) > 0)
 			until = &cancel_at;
 	}
 	if (PQsetnonblocking(conn, 1) != 0 ||
 		!PQsendQueryParams(conn, st->sql, st->nparams, NULL, st->values,
 						   st->lengths, st->formats, st->result_format))
 	{
-		guard_error_text(err, NULL, PQerrorMessage(conn));
+		idem_guard_error_text(err, NULL, PQerrorMessage(conn));
 		if (was_blocking)
 			PQsetnonblocking(conn, 0);
 		return NULL;
@@ -444,7 +444,7 @@ run_statement(PGconn *conn, const GuardStatement *st,
 				until = (w == GUARD_STOPPED) ?
 					earlier(deadline, &stop->deadline) : deadline;
 				stop = NULL;
-				if (guard_ms_until(until) > 0)
+				if (idem_guard_ms_until(until) > 0)
 					cancel_request(conn, until);
 			}
 			else
@@ -470,20 +470,20 @@ run_statement(PGconn *conn, const GuardStatement *st,
 	if (ok == NULL && cut)
 	{
 		if (why == GUARD_STOPPED)
-			guard_error(err, "statement stopped");
+			idem_guard_error(err, "statement stopped");
 		else
 		{
-			guard_error(err, "statement timed out");
+			idem_guard_error(err, "statement timed out");
 			err->timed_out = true;
 		}
 	}
 	else if (failed != NULL)
-		guard_error_text(err, PQresultErrorField(failed, PG_DIAG_SQLSTATE),
+		idem_guard_error_text(err, PQresultErrorField(failed, PG_DIAG_SQLSTATE),
 						 PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) ?
 						 PQresultErrorField(failed, PG_DIAG_MESSAGE_PRIMARY) :
 						 PQresultErrorMessage(failed));
 	else if (ok == NULL)
-		guard_error_text(err, NULL, PQerrorMessage(conn));
+		idem_guard_error_text(err, NULL, PQerrorMessage(conn));
 	*uncertain = (ok != NULL && failed != NULL);
 	PQclear(failed);
 	return ok;
@@ -514,7 +514,7 @@ run_command(PGconn *conn, const char *sql, int nparams,
  * statement cut by the deadline.  Nothing is sent once stop is requested.
  */
 PGresult *
-guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
+idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 				const struct timespec *deadline, GuardStop *stop,
 				GuardError *err, bool *uncertain)
 {
@@ -527,18 +527,18 @@ guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 	err->timed_out = false;
 	if (conn == NULL || PQstatus(conn) != CONNECTION_OK)
 	{
-		guard_error_text(err, NULL, conn ? PQerrorMessage(conn) :
+		idem_guard_error_text(err, NULL, conn ? PQerrorMessage(conn) :
 						 "no connection");
 		return NULL;
 	}
 	if (PQtransactionStatus(conn) != PQTRANS_IDLE)
 	{
-		guard_error(err, "connection is busy or inside a transaction");
+		idem_guard_error(err, "connection is busy or inside a transaction");
 		return NULL;
 	}
-	if (guard_stop_requested(stop))
+	if (idem_guard_stop_requested(stop))
 	{
-		guard_error(err, "statement stopped");
+		idem_guard_error(err, "statement stopped");
 		return NULL;
 	}
 	if (clock_offset_s == 0)
@@ -572,7 +572,7 @@ guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
  * as soon as stop is requested.  True if the connection is made.
  */
 bool
-guard_conn_reset(PGconn *conn, const struct timespec *deadline,
+idem_guard_conn_reset(PGconn *conn, const struct timespec *deadline,
 				 GuardStop *stop)
 {
 	PostgresPollingStatusType st = PGRES_POLLING_WRITING;
@@ -585,7 +585,7 @@ guard_conn_reset(PGconn *conn, const struct timespec *deadline,
 		int			timeout = poll_ms(deadline, stop);
 		int			rc;
 
-		if (timeout == 0 || guard_stop_requested(stop))
+		if (timeout == 0 || idem_guard_stop_requested(stop))
 			return false;
 		pfd.fd = PQsocket(conn);
 		if (pfd.fd < 0)

@@ -52,27 +52,27 @@ typedef struct GuardStop
 	struct timespec deadline;	/* written before requested is set */
 } GuardStop;
 
-extern void guard_error(GuardError *err, const char *fmt,...)
+extern void idem_guard_error(GuardError *err, const char *fmt,...)
 			__attribute__((format(printf, 2, 3)));
-extern void guard_error_text(GuardError *err, const char *sqlstate,
+extern void idem_guard_error_text(GuardError *err, const char *sqlstate,
 							 const char *text);
 
-extern void guard_time_add(struct timespec *ts, long ms);
-extern void guard_time_after(struct timespec *ts, long ms);
-extern long guard_ms_until(const struct timespec *deadline);
-extern void guard_statement_deadline(struct timespec *deadline,
+extern void idem_guard_time_add(struct timespec *ts, long ms);
+extern void idem_guard_time_after(struct timespec *ts, long ms);
+extern long idem_guard_ms_until(const struct timespec *deadline);
+extern void idem_guard_statement_deadline(struct timespec *deadline,
 									 int timeout_ms);
 
-extern void guard_stop_init(GuardStop *stop);
-extern void guard_stop_request(GuardStop *stop, long grace_ms);
-extern bool guard_stop_requested(GuardStop *stop);
+extern void idem_guard_stop_init(GuardStop *stop);
+extern void idem_guard_stop_request(GuardStop *stop, long grace_ms);
+extern bool idem_guard_stop_requested(GuardStop *stop);
 
-extern PGresult *guard_conn_exec(PGconn *conn, const GuardStatement *st,
+extern PGresult *idem_guard_conn_exec(PGconn *conn, const GuardStatement *st,
 								 int clock_offset_s,
 								 const struct timespec *deadline,
 								 GuardStop *stop, GuardError *err,
 								 bool *uncertain);
-extern bool guard_conn_reset(PGconn *conn, const struct timespec *deadline,
+extern bool idem_guard_conn_reset(PGconn *conn, const struct timespec *deadline,
 							 GuardStop *stop);
 
 #endif							/* GUARD_CONN_H */

@@ -134,7 +134,7 @@ typedef struct IdemHeartbeat
 
 /*
  * Run one statement of a guarded call under the call's timeout (0: none)
- * and, for the heartbeat, its stop request.  Returns as guard_conn_exec
+ * and, for the heartbeat, its stop request.  Returns as idem_guard_conn_exec
  * does; a timeout's message names it.
  */
 static PGresult *
@@ -146,12 +146,12 @@ call_statement(PGconn *conn, const GuardStatement *st, int timeout_ms,
 	PGresult   *res;
 
 	if (timeout_ms > 0)
-		guard_statement_deadline(&deadline, timeout_ms);
-	res = guard_conn_exec(conn, st, clock_offset_s,
+		idem_guard_statement_deadline(&deadline, timeout_ms);
+	res = idem_guard_conn_exec(conn, st, clock_offset_s,
 						  timeout_ms > 0 ? &deadline : NULL, stop, err,
 						  uncertain);
 	if ((res == NULL || *uncertain) && err->timed_out)
-		guard_error(err, "statement timed out after %d ms", timeout_ms);
+		idem_guard_error(err, "statement timed out after %d ms", timeout_ms);
 	return res;
 }
 
@@ -196,7 +196,7 @@ fault_fires(IdemFaultHook fault, void *fault_arg, const char *op,
 {
 	if (fault == NULL || !fault(fault_arg, op))
 		return false;
-	guard_error(err, "fault injected at %s", op);
+	idem_guard_error(err, "fault injected at %s", op);
 	return true;
 }
 
@@ -271,19 +271,19 @@ heartbeat_main(void *arg)
 		GuardError	err;
 		bool		ok;
 
-		guard_time_add(&next, hb->period_ms);
+		idem_guard_time_add(&next, hb->period_ms);
 		pthread_mutex_lock(&hb->lock);
-		while (!guard_stop_requested(&hb->stop) &&
+		while (!idem_guard_stop_requested(&hb->stop) &&
 			   pthread_cond_timedwait(&hb->wake, &hb->lock, &next) != ETIMEDOUT)
 			;
 		pthread_mutex_unlock(&hb->lock);
-		if (guard_stop_requested(&hb->stop))
+		if (idem_guard_stop_requested(&hb->stop))
 			break;
 
 		ok = heartbeat_extend(hb, &err);
 		if (ok)
 			atomic_fetch_add(&hb->extends, 1);
-		if (guard_stop_requested(&hb->stop))
+		if (idem_guard_stop_requested(&hb->stop))
 			break;
 		if (!ok && claim_gone(&err))
 		{
@@ -292,8 +292,8 @@ heartbeat_main(void *arg)
 		}
 		if (!ok && PQstatus(hb->conn) != CONNECTION_OK)
 		{
-			guard_time_after(&reconnect_by, hb->period_ms);
-			guard_conn_reset(hb->conn, &reconnect_by, &hb->stop);
+			idem_guard_time_after(&reconnect_by, hb->period_ms);
+			idem_guard_conn_reset(hb->conn, &reconnect_by, &hb->stop);
 		}
 	}
 
@@ -321,7 +321,7 @@ heartbeat_start(const GuardCall *gc, GuardError *err)
 
 	if (hb == NULL)
 	{
-		guard_error(err, "out of memory");
+		idem_guard_error(err, "out of memory");
 		return NULL;
 	}
 	snprintf(sql, sizeof(sql), SQL_EXTEND, gc->schema);
@@ -330,7 +330,7 @@ heartbeat_start(const GuardCall *gc, GuardError *err)
 	hb->scope = strdup(gc->scope);
 	if (hb->sql == NULL || hb->key == NULL || hb->scope == NULL)
 	{
-		guard_error(err, "out of memory");
+		idem_guard_error(err, "out of memory");
 		free(hb->sql);
 		free(hb->key);
 		free(hb->scope);
@@ -346,7 +346,7 @@ heartbeat_start(const GuardCall *gc, GuardError *err)
 	hb->clock_offset_s = gc->opts->clock_offset_s;
 	hb->fault = gc->opts->fault;
 	hb->fault_arg = gc->opts->fault_arg;
-	guard_stop_init(&hb->stop);
+	idem_guard_stop_init(&hb->stop);
 	atomic_init(&hb->lost, false);
 	atomic_init(&hb->extends, 0);
 	pthread_mutex_init(&hb->lock, NULL);
@@ -359,13 +359,13 @@ heartbeat_start(const GuardCall *gc, GuardError *err)
 	hb->conn = PQconnectdb(gc->opts->heartbeat_conninfo);
 	if (PQstatus(hb->conn) != CONNECTION_OK)
 	{
-		guard_error_text(err, NULL, PQerrorMessage(hb->conn));
+		idem_guard_error_text(err, NULL, PQerrorMessage(hb->conn));
 		heartbeat_free(hb);
 		return NULL;
 	}
 	if (pthread_create(&hb->thread, NULL, heartbeat_main, hb) != 0)
 	{
-		guard_error(err, "could not start the heartbeat thread");
+		idem_guard_error(err, "could not start the heartbeat thread");
 		heartbeat_free(hb);
 		return NULL;
 	}
@@ -384,8 +384,8 @@ heartbeat_stop(IdemHeartbeat *hb, IdemResult *res)
 	pthread_t	thread = hb->thread;
 	bool		finished;
 
-	guard_stop_request(&hb->stop, GUARD_CANCEL_GRACE_MS);
-	guard_time_after(&wait_until, GUARD_CANCEL_GRACE_MS + HEARTBEAT_EXIT_MS);
+	idem_guard_stop_request(&hb->stop, GUARD_CANCEL_GRACE_MS);
+	idem_guard_time_after(&wait_until, GUARD_CANCEL_GRACE_MS + HEARTBEAT_EXIT_MS);
 	pthread_mutex_lock(&hb->lock);
 	pthread_cond_signal(&hb->wake);
 	while (!hb->finished &&
@@ -425,7 +425,7 @@ release_claim(const GuardCall *gc, GuardError *err)
 		return false;
 	released = PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "t") == 0;
 	if (!released)
-		guard_error(err, "idem_release found no claim to release");
+		idem_guard_error(err, "idem_release found no claim to release");
 	PQclear(res);
 	return released;
 }
@@ -525,7 +525,7 @@ call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
 	gc->scope = opts->scope ? opts->scope : "";
 	if (strlen(schema) > SCHEMA_MAX)
 	{
-		guard_error(err, "schema name \"%.63s...\" is longer than %d bytes",
+		idem_guard_error(err, "schema name \"%.63s...\" is longer than %d bytes",
 				  schema, SCHEMA_MAX);
 		return false;
 	}
@@ -597,7 +597,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 		PQgetisnull(row, 0, 1))
 	{
 		PQclear(row);
-		guard_error(&err, "idem_begin returned an unexpected result");
+		idem_guard_error(&err, "idem_begin returned an unexpected result");
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -611,7 +611,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 				res->outcome = IDEM_REPLAYED;
 			else
 			{
-				guard_error(&err, "out of memory copying the stored response");
+				idem_guard_error(&err, "out of memory copying the stored response");
 				fail_step(res, IDEM_STEP_REPLAY, &err);
 			}
 		}
@@ -626,7 +626,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 	if (!row_int(row, 2, 8, &token) || !row_int(row, 5, 8, &lease_ms))
 	{
 		PQclear(row);
-		guard_error(&err, "idem_begin returned a claim without token or lease");
+		idem_guard_error(&err, "idem_begin returned a claim without token or lease");
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -704,7 +704,7 @@ guard_finish(GuardCall *gc, int herr, IdemResult *res)
 	{
 		GuardError	rerr;
 
-		guard_error(&err, "handler failed (%d)", herr);
+		idem_guard_error(&err, "handler failed (%d)", herr);
 		fail_step(res, IDEM_STEP_HANDLER, &err);
 		if (gc->opts->keep_claim_on_error)
 			return;
