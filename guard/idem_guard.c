@@ -62,6 +62,17 @@
 	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
 	" $6::pg_catalog.bool) b"
+/* The same with wait_for (idem 1.4): a duplicate waits for the answer. */
+#define SQL_BEGIN_WAIT \
+	"SELECT b.claimed, b.state, b.token, b.status, b.body," \
+	" (pg_catalog.date_part('epoch', b.lease_until OPERATOR(pg_catalog.-)" \
+	" (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)" \
+	" COALESCE(pg_catalog.current_setting('idem.clock_offset', true)," \
+	" '0')::pg_catalog.interval))" \
+	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
+	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
+	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
+	" $6::pg_catalog.bool, $7::pg_catalog.interval) b"
 #define SQL_COMPLETE \
 	"SELECT %s.idem_complete($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.int4, $4::pg_catalog.bytea, $5::pg_catalog.int8," \
@@ -562,12 +573,14 @@ call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
 static bool
 guard_claim(GuardCall *gc, IdemResult *res)
 {
-	const char *values[6];
+	const char *values[7];
 	char		sql[SQL_LEN];
+	char		wait_for[32];
 	GuardStatement st = {sql, 6, values, NULL, NULL, 1};
 	PGresult   *row;
 	GuardError	err;
 	bool		uncertain;
+	int			timeout_ms = gc->opts->timeout_ms;
 	int64_t		token;
 	int64_t		lease_ms;
 	const char *state;
@@ -585,8 +598,20 @@ guard_claim(GuardCall *gc, IdemResult *res)
 	values[3] = gc->retention;
 	values[4] = gc->scope;
 	values[5] = gc->opts->wait ? "true" : "false";
-	snprintf(sql, sizeof(sql), SQL_BEGIN, gc->schema);
-	row = call_statement(gc->conn, &st, gc->opts->timeout_ms,
+	if (gc->opts->wait_for_ms > 0)
+	{
+		/* The server ends its wait at wait_for; the call's timeout leaves room for it. */
+		snprintf(wait_for, sizeof(wait_for), "%d milliseconds",
+				 gc->opts->wait_for_ms);
+		values[6] = wait_for;
+		st.nparams = 7;
+		snprintf(sql, sizeof(sql), SQL_BEGIN_WAIT, gc->schema);
+		if (timeout_ms > 0)
+			timeout_ms += gc->opts->wait_for_ms;
+	}
+	else
+		snprintf(sql, sizeof(sql), SQL_BEGIN, gc->schema);
+	row = call_statement(gc->conn, &st, timeout_ms,
 						 gc->opts->clock_offset_s, NULL, &err, &uncertain);
 	if (row == NULL)
 	{

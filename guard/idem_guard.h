@@ -113,6 +113,11 @@ typedef struct IdemGuardOptions
 								 * every argument to its exact type, so no
 								 * function in another schema or with other
 								 * argument types is called instead. */
+	int			wait_for_ms;	/* 0: a key held by a committed claim is
+								 * in flight at once; else wait up to this
+								 * long in the server for its answer (a
+								 * replay), release or lapse (a claim);
+								 * needs idem 1.4 */
 } IdemGuardOptions;
 
 /* What idem_guard_do tells the caller. */

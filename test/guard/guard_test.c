@@ -1518,6 +1518,89 @@ test_timeout_after_commit(void)
 }
 
 /* Run every case. */
+/* Completes a key once a guard's idem_begin waits in the server for it. */
+typedef struct WaitCompleter
+{
+	pthread_t	thread;
+	const char *key;
+	const char *token;
+	bool		saw_wait;
+} WaitCompleter;
+
+static void *
+wait_completer_main(void *arg)
+{
+	WaitCompleter *wc = arg;
+	PGconn	   *c = connect_or_die(conninfo);
+	const char *values[3] = {wc->key, SCOPE, wc->token};
+	int			i;
+
+	/* At most 30 s: the guard's wait_for is 60 s, the test fails before. */
+	for (i = 0; i < 3000 && !wc->saw_wait; i++)
+	{
+		char	   *n = query_value(c,
+									"SELECT count(*) FROM pg_stat_activity"
+									" WHERE wait_event_type = 'Extension'"
+									" AND query LIKE '%idem_begin%'",
+									0, NULL);
+
+		wc->saw_wait = strcmp(n, "0") != 0;
+		free(n);
+		if (!wc->saw_wait)
+			sleep_ms(10);
+	}
+	PQclear(query(c, "SELECT idem_complete($1, 'fp', 200, convert_to('first', 'UTF8'),"
+				  " $3::bigint, scope => $2)", 3, values));
+	PQfinish(c);
+	return NULL;
+}
+
+/*
+ * wait_for: a key held by a committed claim is waited for in the server;
+ * the holder completes while the guard waits, and the guard replays its
+ * response without running the handler.  A wait that runs out is in
+ * flight.
+ */
+static void
+test_wait_for(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	WaitCompleter wc = {0};
+	const char *values[2] = {"waited", SCOPE};
+	const char *held[2] = {"waited-held", SCOPE};
+	char	   *token = query_value(admin,
+									"SELECT token FROM idem_begin($1, 'fp', lease => '1 hour', scope => $2)",
+									2, values);
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	opts.wait_for_ms = 60000;
+	opts.timeout_ms = 10000;	/* the wait is not cut by the call's timeout */
+	wc.key = "waited";
+	wc.token = token;
+	pthread_create(&wc.thread, NULL, wait_completer_main, &wc);
+	run(conn, &opts, "waited", "fp", &ctx, &res);
+	pthread_join(wc.thread, NULL);
+	printf("wait_for: outcome=%s failed=%s calls=%d status=%d body=%.*s seen_waiting=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls, res.resp.status, (int) res.resp.body_len,
+		   res.resp.body ? (const char *) res.resp.body : "",
+		   wc.saw_wait ? "yes" : "no");
+	idem_result_clear(&res);
+	free(token);
+
+	PQclear(query(admin, "SELECT * FROM idem_begin($1, 'fp', lease => '1 hour', scope => $2)",
+				  2, held));
+	opts.wait_for_ms = 300;
+	run(conn, &opts, "waited-held", "fp", &ctx, &res);
+	printf("wait_for_runs_out: outcome=%s failed=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   ctx.calls);
+	idem_result_clear(&res);
+}
+
 int
 main(int argc, char **argv)
 {
@@ -1550,6 +1633,7 @@ main(int argc, char **argv)
 	test_cancel_held();
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
+	test_wait_for(conn);
 
 	PQfinish(conn);
 	PQfinish(admin);

@@ -125,6 +125,12 @@ my @expected = (
 	# the extend is cancelled, the guard goes on to complete, and the
 	# response is stored once the row is let go.
 	[ heartbeat_stop_lock => 'outcome=EXECUTED failed=none extend_waited=yes stop_prompt=yes superseded=no calls=1 state=DONE' ],
+	# wait_for: a key held by a committed claim is waited for in the
+	# server (seen in pg_stat_activity); its holder completes it meanwhile,
+	# and the guard replays that response without running the handler.
+	# A wait that runs out is in flight.
+	[ wait_for => 'outcome=REPLAYED failed=none calls=0 status=200 body=first seen_waiting=yes' ],
+	[ wait_for_runs_out => 'outcome=IN_FLIGHT failed=none calls=0' ],
 	[ done => '' ]);
 
 foreach my $case (@expected)
@@ -139,7 +145,7 @@ is( $node->safe_psql(
 		'postgres',
 		"SELECT string_agg(key, ',' ORDER BY key) FROM idem.keys"
 		  . " WHERE scope = 'gt' AND status IS NULL"),
-	'complete-lost,heartbeat-lost,held,release-fault,superseded',
+	'complete-lost,heartbeat-lost,held,release-fault,superseded,waited-held',
 	'keys left PROCESSING');
 
 # Every key written has its primary key entry (amcheck).
