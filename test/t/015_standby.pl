@@ -1,8 +1,9 @@
 # On a streaming hot standby every call that would write (a new claim, a
 # takeover, complete, release, extend, purge) fails as read-only (25006)
 # and changes nothing, while replays, conflicts and claims in flight are
-# answered; the launcher purges nothing.  Once the standby is promoted, it
-# purges.
+# answered, and a duplicate with wait_for waits for a claim made on the
+# primary (polling) and replays its response; the launcher purges
+# nothing.  Once the standby is promoted, it purges.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -81,6 +82,29 @@ is( $standby->safe_psql('postgres',
 is( $standby->safe_psql('postgres',
 		"SELECT claimed, state FROM idem_begin('live', 'f')"),
 	'f|PROCESSING', 'a claim in flight is reported on the standby');
+
+# wait_for on the standby: a duplicate waits for a claim made on the
+# primary (looking at the key again every 50 ms, as nothing commits on
+# the standby), and replays the response once the primary's completion
+# is replayed.
+my $wtok = $primary->safe_psql('postgres',
+	"SELECT token FROM idem_begin('wait-standby', 'f', lease => '1 hour')");
+$primary->wait_for_catchup($standby);
+my $swaiter = $standby->background_psql('postgres');
+$swaiter->query_until(qr/start/, q{
+	\echo start
+	SELECT claimed, state, convert_from(body, 'UTF8') AS body
+	  FROM idem_begin('wait-standby', 'f', wait_for => '5 min');
+});
+ok( $standby->poll_query_until('postgres', q{
+	SELECT count(*) = 1 FROM pg_stat_activity
+	 WHERE query LIKE '%wait-standby%wait_for%' AND state = 'active' AND pid <> pg_backend_pid()}),
+	'a duplicate waits on the standby');
+$primary->safe_psql('postgres',
+	"SELECT idem_complete('wait-standby', 'f', 200, convert_to('from the primary', 'UTF8'), $wtok)");
+is($swaiter->query_safe('SELECT 1'), "f|DONE|from the primary\n1",
+	'the waiter on the standby replays the response completed on the primary');
+$swaiter->quit;
 
 # The launcher runs on the standby and skips its passes.
 ok( $standby->poll_query_until('postgres',
