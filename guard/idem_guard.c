@@ -52,7 +52,7 @@
  * gives the lease in milliseconds, from its lease_until and the clock idem
  * used (the server clock plus idem.clock_offset).
  */
-#define SQL_BEGIN \
+#define SQL_BEGIN_ROW \
 	"SELECT b.claimed, b.state, b.token, b.status, b.body," \
 	" (pg_catalog.date_part('epoch', b.lease_until OPERATOR(pg_catalog.-)" \
 	" (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)" \
@@ -61,18 +61,10 @@
 	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
 	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
-	" $6::pg_catalog.bool) b"
+	" $6::pg_catalog.bool"
+#define SQL_BEGIN			SQL_BEGIN_ROW ") b"
 /* The same with wait_for (idem 1.4): a duplicate waits for the answer. */
-#define SQL_BEGIN_WAIT \
-	"SELECT b.claimed, b.state, b.token, b.status, b.body," \
-	" (pg_catalog.date_part('epoch', b.lease_until OPERATOR(pg_catalog.-)" \
-	" (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)" \
-	" COALESCE(pg_catalog.current_setting('idem.clock_offset', true)," \
-	" '0')::pg_catalog.interval))" \
-	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
-	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
-	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
-	" $6::pg_catalog.bool, $7::pg_catalog.interval) b"
+#define SQL_BEGIN_WAIT		SQL_BEGIN_ROW ", $7::pg_catalog.interval) b"
 #define SQL_COMPLETE \
 	"SELECT %s.idem_complete($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.int4, $4::pg_catalog.bytea, $5::pg_catalog.int8," \

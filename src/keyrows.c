@@ -208,6 +208,17 @@ idem_keytable_read(KeyTable *kt, KeyRow *row, MemoryContext body_cxt)
 	return row->found;
 }
 
+/* Note in *waiter whom a dirty look found changing the version in the slot. */
+static void
+set_waiter(KeyWaiter *waiter, KeyTable *kt, TransactionId xid,
+		   uint32 spec_token, bool deleting)
+{
+	waiter->xid = xid;
+	waiter->spec_token = spec_token;
+	waiter->tid = kt->slot->tts_tid;
+	waiter->deleting = deleting;
+}
+
 /*
  * Look at the key with a dirty snapshot: is there a version a snapshot
  * cannot see yet (committed since, or being inserted or deleted by a
@@ -233,22 +244,14 @@ idem_keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 		if (TransactionIdIsValid(snap.xmin))
 		{
 			/* Being inserted: whoever deletes an older version, wait for this. */
-			waiter->xid = snap.xmin;
-			waiter->spec_token = snap.speculativeToken;
-			waiter->tid = kt->slot->tts_tid;
-			waiter->deleting = false;
+			set_waiter(waiter, kt, snap.xmin, snap.speculativeToken, false);
 			result = PROBE_IN_PROGRESS;
 			break;
 		}
 		if (TransactionIdIsValid(snap.xmax))
 		{
 			if (result != PROBE_IN_PROGRESS)
-			{
-				waiter->xid = snap.xmax;
-				waiter->spec_token = 0;
-				waiter->tid = kt->slot->tts_tid;
-				waiter->deleting = true;
-			}
+				set_waiter(waiter, kt, snap.xmax, 0, true);
 			result = PROBE_IN_PROGRESS;
 			continue;
 		}
@@ -292,12 +295,7 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 		{
 			/* Another transaction's new version: wait for it, if anything. */
 			if (result != PROBE_IN_PROGRESS || waiter->deleting)
-			{
-				waiter->xid = snap.xmin;
-				waiter->spec_token = snap.speculativeToken;
-				waiter->tid = kt->slot->tts_tid;
-				waiter->deleting = false;
-			}
+				set_waiter(waiter, kt, snap.xmin, snap.speculativeToken, false);
 			result = PROBE_IN_PROGRESS;
 			if (row->found)
 				break;
@@ -310,12 +308,7 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 		{
 			/* Being changed or deleted: is there a new version too? */
 			if (result != PROBE_IN_PROGRESS)
-			{
-				waiter->xid = snap.xmax;
-				waiter->spec_token = 0;
-				waiter->tid = row->tid;
-				waiter->deleting = true;
-			}
+				set_waiter(waiter, kt, snap.xmax, 0, true);
 			result = PROBE_IN_PROGRESS;
 			continue;
 		}

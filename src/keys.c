@@ -403,43 +403,36 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		CHECK_FOR_INTERRUPTS();
 		if (IsolationUsesXactSnapshot())
 		{
-			/* What the transaction's snapshot shows, then what is there now. */
-			if (idem_keytable_read(kt, &row, args->result_cxt) &&
-				(decision = decide(args, &row, res)) != DECISION_CLAIM)
-			{
-				if (decision == DECISION_IN_FLIGHT &&
-					wait_for_holder(kt, args, &row))
-				{
-					round--;	/* time passed: not a round */
-					continue;
-				}
-				if (decision == DECISION_IN_FLIGHT)
-					set_in_flight(res, &row);
-				return;
-			}
-			probe = idem_keytable_probe(kt, &waiter);
-			if ((probe == PROBE_COMMITTED &&
-				 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
-				(probe == PROBE_NONE && row.found))
-				changed_since_snapshot(kt->key, probe == PROBE_NONE);
+			/*
+			 * What the transaction's snapshot shows, then (unless that
+			 * answers) what is there now.
+			 */
+			decision = idem_keytable_read(kt, &row, args->result_cxt) ?
+				decide(args, &row, res) : DECISION_CLAIM;
+			probe = PROBE_NONE;
 		}
 		else
 		{
 			/* One look shows the committed row and who is changing it. */
 			probe = idem_keytable_look(kt, &row, &waiter, args->result_cxt);
-			if (row.found &&
-				(decision = decide(args, &row, res)) != DECISION_CLAIM)
-			{
-				if (decision == DECISION_IN_FLIGHT &&
-					wait_for_holder(kt, args, &row))
-				{
-					round--;	/* time passed: not a round */
-					continue;
-				}
-				if (decision == DECISION_IN_FLIGHT)
-					set_in_flight(res, &row);
-				return;
-			}
+			decision = row.found ? decide(args, &row, res) : DECISION_CLAIM;
+		}
+		if (decision == DECISION_IN_FLIGHT && wait_for_holder(kt, args, &row))
+		{
+			round--;			/* time passed: not a round */
+			continue;
+		}
+		if (decision == DECISION_IN_FLIGHT)
+			set_in_flight(res, &row);
+		if (decision != DECISION_CLAIM)
+			return;
+		if (IsolationUsesXactSnapshot())
+		{
+			probe = idem_keytable_probe(kt, &waiter);
+			if ((probe == PROBE_COMMITTED &&
+				 (!row.found || !ItemPointerEquals(&waiter.tid, &row.tid))) ||
+				(probe == PROBE_NONE && row.found))
+				changed_since_snapshot(kt->key, probe == PROBE_NONE);
 		}
 
 		/* The key is free, its window or its lease over: look before writing. */
