@@ -162,7 +162,8 @@ idem_waits_note_change(text *scope, text *key)
 	int			slot;
 	int			i;
 
-	if (wait_slots == NULL)
+	/* Past IDEM_WAIT_NOTES keys the commit wakes every waiter anyway. */
+	if (wait_slots == NULL || notes_overflow)
 		return;
 	slot = key_slot(scope, key);
 	for (i = 0; i < nnotes; i++)
