@@ -12,7 +12,8 @@
 #    bytes, none claims;
 # 6. the same with 20 waiters through pgbouncer in transaction pooling;
 # 7. without shared_preload_libraries the waiter looks again every 50 ms:
-#    the holder completes, the waiter replays.
+#    the holder completes, the waiter replays;
+# 8. a transaction that completes 40 keys wakes the waiter of the last.
 use strict;
 use warnings;
 use IPC::Run;
@@ -191,6 +192,24 @@ INSERT INTO answers SELECT claimed, state, body
 			   FROM answers}),
 		'20|20', 'pgbouncer: all 20 replay, none claims');
 }
+
+# --- 8. One transaction completes 40 keys (more than it notes one by
+# one): the waiter on the last one is woken at its commit too.
+sql(q{SELECT count(*) FROM generate_series(1, 40) g,
+	   idem_begin('ovf-' || g, 'fp', lease => '1 hour')});
+$waiter = $node->background_psql('postgres');
+$waiter->query_until(qr/start/, q{
+	\echo start
+	SELECT claimed, state, convert_from(body, 'UTF8') AS body
+	  FROM idem_begin('ovf-40', 'fp', wait_for => '5 min');
+});
+ok(waiters_sleep(1), 'many keys: the duplicate sleeps in the server');
+sql(q{SELECT count(*) FROM idem.keys k,
+	   LATERAL idem_complete(k.key, 'fp', 200, convert_to('bulk', 'UTF8'), k.token)
+	  WHERE k.key LIKE 'ovf-%'});
+is($waiter->query_safe('SELECT 1'), "f|DONE|bulk\n1",
+	'many keys: the duplicate replays the response completed with 39 others');
+$waiter->quit;
 
 idem_amcheck($node, 'postgres');
 $node->stop;
