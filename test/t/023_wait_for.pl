@@ -13,7 +13,8 @@
 # 6. the same with 20 waiters through pgbouncer in transaction pooling;
 # 7. without shared_preload_libraries the waiter looks again every 50 ms:
 #    the holder completes, the waiter replays;
-# 8. a transaction that completes 40 keys wakes the waiter of the last.
+# 8. a transaction that completes 40 keys wakes the waiter of the last;
+# 9. a REPEATABLE READ waiter gets a serialization failure, to retry.
 use strict;
 use warnings;
 use IPC::Run;
@@ -192,6 +193,24 @@ INSERT INTO answers SELECT claimed, state, body
 			   FROM answers}),
 		'20|20', 'pgbouncer: all 20 replay, none claims');
 }
+
+# --- 9. A REPEATABLE READ waiter: its snapshot cannot show the
+# completion, so the change is a serialization failure, to retry.
+$tok = sql(q{SELECT token FROM idem_begin('w-rr', 'fp', lease => '1 hour')});
+$waiter = $node->background_psql('postgres', on_error_stop => 0);
+$waiter->query_until(qr/start/, q{
+	\echo start
+	BEGIN ISOLATION LEVEL REPEATABLE READ;
+	SELECT claimed FROM idem_begin('w-rr', 'fp', wait_for => '5 min');
+});
+ok(waiters_sleep(1), 'repeatable read: the duplicate sleeps in the server');
+sql(qq{SELECT idem_complete('w-rr', 'fp', 200, 'rr', $tok)});
+$waiter->query('ROLLBACK');
+like($waiter->{stderr}, qr/could not serialize access due to concurrent update/,
+	'repeatable read: a completion during the wait is a serialization failure');
+$waiter->quit;
+is(sql(q{SELECT state FROM idem_begin('w-rr', 'fp', wait_for => '5 min')}), 'DONE',
+	'repeatable read: the retry replays');
 
 # --- 8. One transaction completes 40 keys (more than it notes one by
 # one): the waiter on the last one is woken at its commit too.
