@@ -16,6 +16,7 @@
 #include "utils/timestamp.h"
 
 #include "args.h"
+#include "compat.h"
 #include "settings.h"
 
 /* ts + span, with the calendar arithmetic of timestamptz + interval. */

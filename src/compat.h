@@ -17,6 +17,9 @@
 #define IDEM_COMPAT_H
 
 #include "fmgr.h"
+#if PG_VERSION_NUM >= 160000
+#include "varatt.h"				/* VARDATA_ANY and friends, from 16 on */
+#endif
 #include "access/heapam.h"
 #include "access/htup_details.h"
 #include "access/tableam.h"

@@ -38,6 +38,7 @@
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 
+#include "compat.h"
 #include "settings.h"
 #include "waits.h"
 

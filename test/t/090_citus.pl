@@ -140,6 +140,26 @@ is($coord->safe_psql('postgres', q{SELECT state, status, body FROM idem_begin('k
 is($coord->safe_psql('postgres', q{SELECT state, status FROM idem_begin('k-basic', 'other')}),
 	'CONFLICT|', 'another request with the same key is a conflict');
 
+# wait_for through the coordinator: the call is delegated to the worker
+# that holds the key's shard and waits there for the holder's answer.
+my $tw = $coord->safe_psql('postgres',
+	q{SELECT token FROM idem_begin('k-wait', 'fp', lease => '1 hour')});
+my ($wport) = placement($coord, 'postgres', 'idem.keys', 'k-wait');
+my $wnode = $wport == $w1->port ? $w1 : $w2;
+my $cwaiter = $coord->background_psql('postgres');
+$cwaiter->query_until(qr/start/, q{
+	\echo start
+	SELECT claimed, state, status FROM idem_begin('k-wait', 'fp', wait_for => '5 min');
+});
+ok( $wnode->poll_query_until('postgres', q{
+	SELECT count(*) > 0 FROM pg_stat_activity
+	 WHERE wait_event_type = 'Extension' AND query LIKE '%idem_begin%'}),
+	'wait_for: the duplicate waits on the worker that holds the key');
+$coord->safe_psql('postgres', qq{SELECT idem_complete('k-wait', 'fp', 201, 'x', $tw)});
+is($cwaiter->query_safe('SELECT 1'), "f|DONE|201\n1",
+	'wait_for: the duplicate replays the response completed through the coordinator');
+$cwaiter->quit;
+
 my ($port, $shard) = placement($coord, 'postgres', 'idem.keys', 'k-basic');
 my ($key_node, $other_node) = $port == $w1->port ? ($w1, $w2) : ($w2, $w1);
 is(rows_on($key_node, 'postgres', 'idem.keys', q{key = 'k-basic'}), '1',
