@@ -23,6 +23,10 @@ use PostgreSQL::Test::Utils;
 use IdemTest;
 use Test::More;
 
+# pgbouncer, if started, is stopped also when the test dies.
+my $bouncer_pid;
+END { kill 'TERM', $bouncer_pid if $bouncer_pid; }
+
 my $node = idem_node('waits', conf => qq{
 idem.purge_enabled = off
 max_connections = 140
@@ -157,15 +161,14 @@ pidfile = $dir/pgbouncer.pid
 INI
 	system($pgbouncer, '-d', '-q', "$dir/pgbouncer.ini") == 0
 	  or BAIL_OUT('pgbouncer does not start');
-	my $pid;
 	for (1 .. 100)
 	{
 		if (open(my $pf, '<', "$dir/pgbouncer.pid"))
 		{
-			$pid = <$pf>;
+			$bouncer_pid = <$pf>;
 			close($pf);
-			chomp $pid if defined $pid;
-			last if $pid;
+			chomp $bouncer_pid if defined $bouncer_pid;
+			last if $bouncer_pid;
 		}
 		select(undef, undef, undef, 0.1);
 	}
@@ -186,7 +189,8 @@ INSERT INTO answers SELECT claimed, state, body
 	my $slept = waiters_sleep(20);
 	sql(qq{SELECT idem_complete('w-bounced', 'fp', 200, 'bounced', $tok)});
 	$bench->finish;
-	kill 'TERM', $pid if $pid;
+	kill 'TERM', $bouncer_pid if $bouncer_pid;
+	$bouncer_pid = undef;
 	note "pgbench:\n$out\n$err";
 	ok($slept && $bench->result(0) == 0, 'pgbouncer: 20 duplicates slept and pgbench ran without error');
 	is(sql(q{SELECT count(*), count(*) FILTER (WHERE NOT claimed AND state = 'DONE' AND body = 'bounced'::bytea)
