@@ -695,9 +695,9 @@ held_only_by_me(KeyTable *kt, ItemPointer tid)
 /*
  * Replace the version of the key's row in *row, as idem_keytable_read found it,
  * with the values of kv, as UPDATE does: if another transaction is
- * changing that version, wait for it (or return KEYWRITE_BUSY if !wait);
- * if it was changed since, write nothing.  A row locked only by this
- * transaction itself is written without waiting.  kv->token
+ * changing or locking that version, wait for it (or return KEYWRITE_BUSY
+ * if !wait); if it was changed since, write nothing.  A row locked only by
+ * this transaction itself is written without waiting.  kv->token
  * IDEM_NEW_TOKEN is replaced with a new token.
  */
 KeyWrite
@@ -711,18 +711,31 @@ idem_keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 
 	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_UPDATE);
+	push_wait_context(kt, &errcb);
+	if (!wait)
+	{
+		/*
+		 * heap_update waits for whoever changes or locks the version; not
+		 * to wait, lock it first without waiting, as SELECT ... FOR NO KEY
+		 * UPDATE SKIP LOCKED does.  A version locked only by this
+		 * transaction (also through a MultiXactId) is locked at once.
+		 */
+		result = table_tuple_lock(kt->rel, &row->tid, GetLatestSnapshot(),
+								  kt->slot, GetCurrentCommandId(false),
+								  LockTupleNoKeyExclusive, LockWaitSkip, 0,
+								  &tmfd);
+		if (result != TM_Ok)
+		{
+			error_context_stack = errcb.previous;
+			return write_result(kt, result);
+		}
+	}
 	if (kv->token == IDEM_NEW_TOKEN)
 		kv->token = idem_keyrel_next_token(kt);
 	tuple = form_row(kt, kv, &row->tid);
-	push_wait_context(kt, &errcb);
 	result = idem_heap_update(kt->rel, &row->tid, tuple,
-							  GetCurrentCommandId(true), wait, &tmfd,
+							  GetCurrentCommandId(true), true, &tmfd,
 							  &index_new_version);
-	if (result == TM_BeingModified && !wait &&
-		held_only_by_me(kt, &row->tid))
-		result = idem_heap_update(kt->rel, &row->tid, tuple,
-								  GetCurrentCommandId(true), true, &tmfd,
-								  &index_new_version);
 	error_context_stack = errcb.previous;
 	if (index_new_version)
 		insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
