@@ -543,7 +543,12 @@ idem_begin(PG_FUNCTION_ARGS)
 	if (args.lease_until > args.expires_at)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease must not be longer than retention")));
+				 errmsg("lease must not be longer than retention"),
+				 errdetail("The lease is %s; the retention is %s.",
+						   idem_window_text(args.lease, idem_default_lease, "lease"),
+						   idem_window_text(args.retention, idem_default_retention,
+											"retention")),
+				 errhint("Pass a shorter lease or a longer retention.")));
 	/* wait_for, the seventh argument of the 1.4 overload */
 	args.wait_until = 0;
 	args.lock_wait_until = 0;
