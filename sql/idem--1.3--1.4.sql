@@ -42,8 +42,10 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 	  FROM idem.keys k;
 
 /*
- * idem_stats() gains not_stored: responses larger than idem.max_body_size,
- * for which idem_complete stored the fixed "Response not stored" answer.
+ * idem_stats() gains not_stored (responses larger than idem.max_body_size,
+ * for which idem_complete stored the fixed "Response not stored" answer),
+ * evictions, force_releases, waits, the time of claims, replays,
+ * completions and waits, and stats_reset.
  * It is bound to the C function of its result type, as pg_stat_statements
  * binds one per API version; the symbols idem_stats and idem_stats_1_3
  * stay for databases not yet updated.  As in the update to 1.3, the
@@ -74,7 +76,11 @@ BEGIN
 		OUT purge_runs pg_catalog.int8, OUT last_purge pg_catalog.timestamptz,
 		OUT last_purge_error pg_catalog.text,
 		OUT purge_start_failures pg_catalog.int8,
-		OUT not_stored pg_catalog.int8)
+		OUT not_stored pg_catalog.int8, OUT evictions pg_catalog.int8,
+		OUT force_releases pg_catalog.int8, OUT waits pg_catalog.int8,
+		OUT claim_time pg_catalog.float8, OUT replay_time pg_catalog.float8,
+		OUT complete_time pg_catalog.float8, OUT wait_time pg_catalog.float8,
+		OUT stats_reset pg_catalog.timestamptz)
 	RETURNS SETOF record
 	AS 'MODULE_PATHNAME', 'idem_stats_1_4'
 	LANGUAGE C VOLATILE PARALLEL RESTRICTED;
@@ -227,6 +233,85 @@ AS $$
 		('@extschema@.idem_complete(text, text, integer, bytea, bigint, interval, text)', 1, 7),
 		('@extschema@.idem_release(text, bigint, text)', 1, 3),
 		('@extschema@.idem_extend(text, bigint, interval, text)', 1, 4),
-		('@extschema@.idem_lookup(text, text)', 1, 2)
+		('@extschema@.idem_lookup(text, text)', 1, 2),
+		('@extschema@.idem_evict(text, text)', 1, 2),
+		('@extschema@.idem_force_release(text, text, text)', 1, 2)
 	  ) AS f(signature, key_arg, scope_arg)
+$$;
+
+/*
+ * Operator controls: drop the stored response of a completed key (its next
+ * request executes), end a claim in flight without its token (logged with
+ * the reason), and list the claims whose lease ended without a completion.
+ * None shows a body; the owner grants them.
+ */
+CREATE FUNCTION @extschema@.idem_evict(key pg_catalog.text,
+									   scope pg_catalog.text DEFAULT ''::pg_catalog.text)
+RETURNS pg_catalog.bool
+AS 'MODULE_PATHNAME', 'idem_evict'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_force_release(key pg_catalog.text,
+											   scope pg_catalog.text,
+											   reason pg_catalog.text)
+RETURNS pg_catalog.bool
+AS 'MODULE_PATHNAME', 'idem_force_release'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/*
+ * Runs as its owner, who may read idem.keys, so that a role granted
+ * EXECUTE needs nothing else; "now" is idem's clock (idem.clock_offset).
+ */
+CREATE FUNCTION @extschema@.idem_stalled(
+	older_than pg_catalog.interval DEFAULT '0'::pg_catalog.interval)
+RETURNS TABLE (scope pg_catalog.text, key pg_catalog.text, token pg_catalog.int8,
+			   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz,
+			   claimed_by pg_catalog.regrole, stalled_for pg_catalog.interval)
+LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
+SET search_path = pg_catalog
+AS $$
+	SELECT k.scope, k.key, k.token, k.lease_until, k.expires_at,
+		   (SELECT r.oid FROM pg_catalog.pg_roles r
+			 WHERE r.rolname OPERATOR(pg_catalog.=) k.claimed_by)::pg_catalog.regrole,
+		   c.now OPERATOR(pg_catalog.-) k.lease_until
+	  FROM idem.keys k,
+		   (SELECT pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
+				   COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
+							'0')::pg_catalog.interval AS now) c
+	 WHERE k.status IS NULL
+	   AND k.lease_until OPERATOR(pg_catalog.<=) (c.now OPERATOR(pg_catalog.-) older_than)
+	   AND k.expires_at OPERATOR(pg_catalog.>) c.now
+	 ORDER BY k.lease_until
+$$;
+
+REVOKE ALL ON FUNCTION
+	@extschema@.idem_evict(pg_catalog.text, pg_catalog.text),
+	@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text),
+	@extschema@.idem_stalled(pg_catalog.interval)
+FROM PUBLIC;
+
+/*
+ * What the default privileges of the role running the update gave the new
+ * functions is revoked: nobody but the owner has a privilege on them
+ * until it grants one.
+ */
+DO $$
+DECLARE
+	r record;
+BEGIN
+	FOR r IN
+		SELECT p.oid::pg_catalog.regprocedure AS func, a.grantee
+		  FROM pg_catalog.pg_proc p
+		 CROSS JOIN LATERAL pg_catalog.aclexplode(p.proacl) a
+		 WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY[
+				'@extschema@.idem_evict(pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
+				'@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
+				'@extschema@.idem_stalled(pg_catalog.interval)'::pg_catalog.regprocedure]::pg_catalog.oid[])
+		   AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
+		   AND a.grantee OPERATOR(pg_catalog.<>) 0
+	LOOP
+		EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION %s FROM %s CASCADE',
+			r.func, r.grantee::pg_catalog.regrole::pg_catalog.text);
+	END LOOP;
+END
 $$;

@@ -25,6 +25,9 @@
 #define ERRCODE_IDEM_NO_CLAIM				MAKE_SQLSTATE('I','D','0','0','3')
 #define ERRCODE_IDEM_ALREADY_COMPLETED		MAKE_SQLSTATE('I','D','0','0','4')
 
+/* Bound on read/write rounds of one call; each round makes progress. */
+#define IDEM_MAX_CLAIM_ROUNDS	100
+
 /*
  * Columns of idem.keys, as created by sql/idem--1.0.sql; claimed_by is
  * added by the update to 1.3 (a table of an older version has only the

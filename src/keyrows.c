@@ -510,6 +510,27 @@ idem_keytable_claimant_role(KeyClaimant *claimant)
 }
 
 /*
+ * The role of a claim for a log message: its name, "(a dropped role)",
+ * or "(none)" for a claim made before 1.3.
+ */
+char *
+idem_keytable_claimant_text(KeyClaimant *claimant)
+{
+	char	   *name;
+
+	if (!claimant->bound)
+		return "(none)";
+	if (OidIsValid(claimant->roleid))
+	{
+		name = GetUserNameFromId(claimant->roleid, true);
+		return name ? name : "(a dropped role)";
+	}
+	if (NameStr(claimant->rolename)[0] == '\0')
+		return "(a dropped role)";
+	return NameStr(claimant->rolename);
+}
+
+/*
  * Insert the key as a new row with the values of kv, drawing its token.
  * Returns false, having inserted nothing and without waiting, if another
  * transaction inserted the key first; idem_keytable_probe then tells who.

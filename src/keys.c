@@ -54,9 +54,6 @@ PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_extend);
 
-/* Bound on read/write rounds of one call; each round makes progress. */
-#define IDEM_MAX_CLAIM_ROUNDS	100
-
 typedef enum ClaimState
 {
 	CLAIM_PROCESSING,
@@ -277,6 +274,14 @@ claim_args_now(ClaimArgs *args)
 									   idem_default_retention, "retention");
 }
 
+/* Count a wait for a holder or a result, and its time. */
+static void
+count_wait(instr_time *started)
+{
+	idem_stats_count(IDEM_STAT_WAITS);
+	idem_stats_add_time(IDEM_STAT_WAIT_USECS, started);
+}
+
 /*
  * Claim the key by rewriting the version of its row that decide() found
  * expired or abandoned.  A takeover keeps the key's window unless the new
@@ -300,9 +305,21 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 	{
 		set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
 		idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
+		if (takeover && idem_log_takeovers)
+			ereport(LOG,
+					(errmsg("idempotency key \"%s\" in scope \"%s\" taken over after its lease ended",
+							idem_key_for_message(kt->key),
+							idem_key_for_message(kt->scope)),
+					 errdetail("Token %lld of role %s, whose lease ended at %s, is superseded by token %lld of role %s.",
+							   (long long) row->token,
+							   idem_keytable_claimant_text(&row->claimed_by),
+							   timestamptz_to_str(row->lease_until),
+							   (long long) kv.token,
+							   idem_keytable_claimant_text(&kv.claimed_by))));
 	}
 	return written;
 }
+
 
 /* The error of a call that could not settle in IDEM_MAX_CLAIM_ROUNDS. */
 static void
@@ -350,13 +367,16 @@ wait_for_holder(KeyTable *kt, ClaimArgs *args, KeyRow *row)
 {
 	TimestampTz until;
 	bool		slept;
+	instr_time	waited;
 
 	if (args->wait_until == 0)
 		return false;
 	until = Min(args->wait_until, row->lease_until);
 	if (args->lock_wait_until != 0)
 		until = Min(until, args->lock_wait_until);
+	idem_stats_start(&waited);
 	slept = idem_waits_sleep(until);
+	count_wait(&waited);
 	claim_args_now(args);
 	if (args->lock_wait_until != 0 && args->now >= args->lock_wait_until &&
 		args->now < row->lease_until)
@@ -391,6 +411,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 {
 	bool		may_wait = args->wait;
 	int			round;
+	instr_time	waited;
 
 	for (round = 0; round < IDEM_MAX_CLAIM_ROUNDS; round++)
 	{
@@ -456,8 +477,10 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 			 * Waiting for a speculative insertion to finish is not the wait
 			 * for its transaction, which may still hold the key.
 			 */
+			idem_stats_start(&waited);
 			if (idem_keytable_wait(kt, &waiter) && !purge)
 				may_wait = false;
+			count_wait(&waited);
 			continue;
 		}
 		if (!row.found)
@@ -530,7 +553,9 @@ idem_begin(PG_FUNCTION_ARGS)
 	KeyTable	kt;
 	Datum		values[7];
 	bool		nulls[7];
+	instr_time	started;
 
+	idem_stats_start(&started);
 	args.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
 	if (PG_ARGISNULL(5))
 		ereport(ERROR,
@@ -579,6 +604,10 @@ idem_begin(PG_FUNCTION_ARGS)
 	if (args.wait_until != 0)
 		idem_waits_done();
 	idem_keytable_close(&kt);
+	if (res.claimed)
+		idem_stats_add_time(IDEM_STAT_CLAIM_USECS, &started);
+	else if (res.state == CLAIM_DONE)
+		idem_stats_add_time(IDEM_STAT_REPLAY_USECS, &started);
 
 	memset(nulls, true, sizeof(nulls));
 	values[0] = BoolGetDatum(res.claimed);
@@ -962,7 +991,9 @@ idem_complete(PG_FUNCTION_ARGS)
 	Size		size = 0;
 	bool		envelope = false;
 	bool		not_stored = false;
+	instr_time	started;
 
+	idem_stats_start(&started);
 	held_call_init(&hc, HELD_COMPLETE, "idem_complete()", fcinfo, 4, 6);
 	hc.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
 	hc.body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
@@ -996,6 +1027,7 @@ idem_complete(PG_FUNCTION_ARGS)
 	if (kv.done)
 	{
 		idem_stats_count(IDEM_STAT_COMPLETES);
+		idem_stats_add_time(IDEM_STAT_COMPLETE_USECS, &started);
 		idem_waits_note_change(hc.scope, hc.key);
 	}
 	if (not_stored && kv.done)

@@ -148,6 +148,7 @@ extern KeyWrite idem_keytable_update(KeyTable *kt, KeyRow *row,
 extern KeyWrite idem_keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
 extern void idem_keytable_current_claimant(KeyClaimant *claimant);
 extern Oid	idem_keytable_claimant_role(KeyClaimant *claimant);
+extern char *idem_keytable_claimant_text(KeyClaimant *claimant);
 extern int64 idem_keytable_purge_batch(TimestampTz now, int limit,
 									   ItemPointer cursor, bool *at_end);
 

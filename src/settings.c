@@ -29,6 +29,8 @@ int			idem_clock_offset = 0;
 int			idem_purge_batch_size = 10000;
 int			idem_purge_naptime = 10;
 bool		idem_purge_enabled = true;
+bool		idem_log_purge = true;
+bool		idem_log_takeovers = true;
 
 /* Define the idem.* settings. */
 void
@@ -96,6 +98,21 @@ idem_define_settings(void)
 							 &idem_purge_enabled,
 							 true,
 							 PGC_SIGHUP, 0,
+							 NULL, NULL, NULL);
+
+	DefineCustomBoolVariable("idem.log_purge",
+							 "Logs each purge of a database that deleted keys.",
+							 NULL,
+							 &idem_log_purge,
+							 true,
+							 PGC_SIGHUP, 0,
+							 NULL, NULL, NULL);
+	DefineCustomBoolVariable("idem.log_takeovers",
+							 "Logs each claim taken over after its lease ended, and each forced release or eviction.",
+							 NULL,
+							 &idem_log_takeovers,
+							 true,
+							 PGC_SUSET, 0,
 							 NULL, NULL, NULL);
 
 	MarkGUCPrefixReserved("idem");

@@ -19,6 +19,8 @@ extern int	idem_clock_offset;
 extern int	idem_purge_batch_size;
 extern int	idem_purge_naptime;
 extern bool idem_purge_enabled;
+extern bool idem_log_purge;
+extern bool idem_log_takeovers;
 
 extern void idem_define_settings(void);
 extern TimestampTz idem_now(void);

@@ -26,7 +26,9 @@
 #include "lib/stringinfo.h"
 #include "mb/pg_wchar.h"
 #include "miscadmin.h"
+#include "pgstat.h"
 #include "port/atomics.h"
+#include "storage/fd.h"
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
@@ -49,8 +51,16 @@ PG_FUNCTION_INFO_V1(idem_stats_reset);
 #define IDEM_STATS_COLS			(IDEM_STAT_NUM_1_3 + 3)
 /* In 1.3, purge_start_failures after them. */
 #define IDEM_STATS_COLS_1_3		(IDEM_STATS_COLS + 1)
-/* From 1.4 on, not_stored after that. */
-#define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS_1_3 + 1)
+/*
+ * From 1.4 on, the counters after IDEM_STAT_NUM_1_3 (the times in
+ * milliseconds), then stats_reset.
+ */
+#define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS_1_3 + (IDEM_STAT_NUM - IDEM_STAT_NUM_1_3) + 1)
+
+/* The file the counters are kept in across a clean restart. */
+#define IDEM_STATS_FILE			PGSTAT_STAT_PERMANENT_DIRECTORY "/idem.stat"
+#define IDEM_STATS_FILE_TMP		IDEM_STATS_FILE ".tmp"
+#define IDEM_STATS_FILE_MAGIC	0x1de50014
 
 typedef struct IdemDbStats
 {
@@ -59,8 +69,20 @@ typedef struct IdemDbStats
 	pg_atomic_uint64 counters[IDEM_STAT_NUM];
 	pg_atomic_uint64 start_failures;	/* purge workers that could not start */
 	TimestampTz last_purge;		/* 0: never; under lock */
+	TimestampTz stats_reset;	/* slot taken or counters reset; under lock */
 	char		last_error[IDEM_STATS_ERROR_LEN];	/* UTF-8; under lock */
 } IdemDbStats;
+
+/* A slot as the stats file keeps it. */
+typedef struct IdemDbStatsRecord
+{
+	Oid			dboid;
+	uint64		counters[IDEM_STAT_NUM];
+	uint64		start_failures;
+	TimestampTz last_purge;
+	TimestampTz stats_reset;
+	char		last_error[IDEM_STATS_ERROR_LEN];
+} IdemDbStatsRecord;
 
 typedef struct IdemStatsShared
 {
@@ -76,6 +98,9 @@ static IdemDbStats *my_db_stats = NULL;
 /* Set when this backend found no free slot, and the value of frees then. */
 static bool no_slot = false;
 static uint32 no_slot_frees = 0;
+
+static void stats_load(void);
+static void stats_shmem_shutdown(int code, Datum arg);
 
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
@@ -110,6 +135,7 @@ slot_clear(IdemDbStats *slot)
 		pg_atomic_write_u64(&slot->counters[j], 0);
 	pg_atomic_write_u64(&slot->start_failures, 0);
 	slot->last_purge = 0;
+	slot->stats_reset = GetCurrentTimestamp();
 	slot->last_error[0] = '\0';
 }
 
@@ -141,8 +167,131 @@ stats_shmem_startup(void)
 				pg_atomic_init_u64(&stats->dbs[i].counters[j], 0);
 			pg_atomic_init_u64(&stats->dbs[i].start_failures, 0);
 		}
+		stats_load();
 	}
 	LWLockRelease(AddinShmemInitLock);
+
+	/* The postmaster keeps the counters at a clean shutdown. */
+	if (!IsUnderPostmaster)
+		on_shmem_exit(stats_shmem_shutdown, (Datum) 0);
+}
+
+/*
+ * Read the counters a clean shutdown kept, as pg_stat_statements does,
+ * then remove the file: after a crash the counters start from zero.
+ */
+static void
+stats_load(void)
+{
+	FILE	   *file;
+	uint32		header[3];
+	int			i;
+
+	file = AllocateFile(IDEM_STATS_FILE, PG_BINARY_R);
+	if (file == NULL)
+	{
+		if (errno != ENOENT)
+			ereport(LOG,
+					(errcode_for_file_access(),
+					 errmsg("could not read idem statistics file \"%s\": %m",
+							IDEM_STATS_FILE)));
+		return;
+	}
+	if (fread(header, sizeof(header), 1, file) != 1 ||
+		header[0] != IDEM_STATS_FILE_MAGIC || header[1] != IDEM_STAT_NUM ||
+		header[2] > IDEM_STATS_MAX_DATABASES)
+	{
+		ereport(LOG,
+				(errmsg("ignoring idem statistics file \"%s\": it was written by another version",
+						IDEM_STATS_FILE)));
+		header[2] = 0;
+	}
+	for (i = 0; i < (int) header[2]; i++)
+	{
+		IdemDbStatsRecord rec;
+		IdemDbStats *slot = &stats->dbs[i];
+		int			j;
+
+		if (fread(&rec, sizeof(rec), 1, file) != 1)
+		{
+			ereport(LOG,
+					(errmsg("idem statistics file \"%s\" is cut short", IDEM_STATS_FILE)));
+			break;
+		}
+		pg_atomic_write_u32(&slot->dboid, rec.dboid);
+		for (j = 0; j < IDEM_STAT_NUM; j++)
+			pg_atomic_write_u64(&slot->counters[j], rec.counters[j]);
+		pg_atomic_write_u64(&slot->start_failures, rec.start_failures);
+		slot->last_purge = rec.last_purge;
+		slot->stats_reset = rec.stats_reset;
+		rec.last_error[IDEM_STATS_ERROR_LEN - 1] = '\0';
+		strlcpy(slot->last_error, rec.last_error, IDEM_STATS_ERROR_LEN);
+	}
+	FreeFile(file);
+	unlink(IDEM_STATS_FILE);
+}
+
+/*
+ * At a clean shutdown, write the counters of every database that has a
+ * slot to a temporary file and rename it into place.
+ */
+static void
+stats_shmem_shutdown(int code, Datum arg)
+{
+	FILE	   *file;
+	uint32		header[3];
+	int			i;
+
+	/* Not after a crash, nor where the counters never existed. */
+	if (code != 0 || stats == NULL)
+		return;
+
+	file = AllocateFile(IDEM_STATS_FILE_TMP, PG_BINARY_W);
+	if (file == NULL)
+		goto error;
+	header[0] = IDEM_STATS_FILE_MAGIC;
+	header[1] = IDEM_STAT_NUM;
+	header[2] = 0;
+	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
+		if (pg_atomic_read_u32(&stats->dbs[i].dboid) != InvalidOid)
+			header[2]++;
+	if (fwrite(header, sizeof(header), 1, file) != 1)
+		goto error;
+	for (i = 0; i < IDEM_STATS_MAX_DATABASES; i++)
+	{
+		IdemDbStats *slot = &stats->dbs[i];
+		IdemDbStatsRecord rec;
+		int			j;
+
+		memset(&rec, 0, sizeof(rec));
+		rec.dboid = pg_atomic_read_u32(&slot->dboid);
+		if (rec.dboid == InvalidOid)
+			continue;
+		for (j = 0; j < IDEM_STAT_NUM; j++)
+			rec.counters[j] = pg_atomic_read_u64(&slot->counters[j]);
+		rec.start_failures = pg_atomic_read_u64(&slot->start_failures);
+		rec.last_purge = slot->last_purge;
+		rec.stats_reset = slot->stats_reset;
+		strlcpy(rec.last_error, slot->last_error, IDEM_STATS_ERROR_LEN);
+		if (fwrite(&rec, sizeof(rec), 1, file) != 1)
+			goto error;
+	}
+	if (FreeFile(file))
+	{
+		file = NULL;
+		goto error;
+	}
+	(void) durable_rename(IDEM_STATS_FILE_TMP, IDEM_STATS_FILE, LOG);
+	return;
+
+error:
+	ereport(LOG,
+			(errcode_for_file_access(),
+			 errmsg("could not write idem statistics file \"%s\": %m",
+					IDEM_STATS_FILE_TMP)));
+	if (file)
+		FreeFile(file);
+	unlink(IDEM_STATS_FILE_TMP);
 }
 
 /* Install the shared memory hooks; called from _PG_init when preloaded. */
@@ -197,8 +346,11 @@ find_or_take_slot(Oid dboid)
 			slot = &stats->dbs[i];
 	}
 	/* A free slot was cleared when it was freed. */
-	if (slot != NULL)
+	if (slot != NULL && pg_atomic_read_u32(&slot->dboid) != dboid)
+	{
+		slot->stats_reset = GetCurrentTimestamp();
 		pg_atomic_write_u32(&slot->dboid, dboid);
+	}
 	LWLockRelease(stats->lock);
 	return slot;
 }
@@ -386,6 +538,29 @@ idem_stats_add(IdemStat stat, uint64 n)
 	pg_atomic_fetch_add_u64(&my_db_stats->counters[stat], n);
 }
 
+/* Start timing a call, if the counters are collected. */
+void
+idem_stats_start(instr_time *started)
+{
+	if (stats == NULL)
+		INSTR_TIME_SET_ZERO(*started);
+	else
+		INSTR_TIME_SET_CURRENT(*started);
+}
+
+/* Add the microseconds since idem_stats_start to a time counter. */
+void
+idem_stats_add_time(IdemStat stat, instr_time *started)
+{
+	instr_time	elapsed;
+
+	if (stats == NULL || INSTR_TIME_IS_ZERO(*started))
+		return;
+	INSTR_TIME_SET_CURRENT(elapsed);
+	INSTR_TIME_SUBTRACT(elapsed, *started);
+	idem_stats_add(stat, (uint64) INSTR_TIME_GET_MICROSEC(elapsed));
+}
+
 /* Record the end of a purge run in a database: when, and its error if any. */
 void
 idem_stats_purge_done(Oid dboid, const char *error)
@@ -551,8 +726,14 @@ stats_rows(FunctionCallInfo fcinfo, int natts)
 		nulls[IDEM_STAT_NUM_1_3 + 2] = (slot->last_error[0] == '\0');
 		values[IDEM_STAT_NUM_1_3 + 3] =
 			Int64GetDatum((int64) pg_atomic_read_u64(&slot->start_failures));
-		values[IDEM_STAT_NUM_1_3 + 4] =
-			Int64GetDatum((int64) pg_atomic_read_u64(&slot->counters[IDEM_STAT_NOT_STORED]));
+		for (j = IDEM_STAT_NUM_1_3; j < IDEM_STAT_NUM; j++)
+		{
+			uint64		n = pg_atomic_read_u64(&slot->counters[j]);
+
+			values[j + 4] = (j >= IDEM_STAT_CLAIM_USECS) ?
+				Float8GetDatum((double) n / 1000.0) : Int64GetDatum((int64) n);
+		}
+		values[IDEM_STAT_NUM + 4] = TimestampTzGetDatum(slot->stats_reset);
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	LWLockRelease(stats->lock);
@@ -585,7 +766,10 @@ idem_stats_1_3(PG_FUNCTION_ARGS)
 	return (Datum) 0;
 }
 
-/* idem_stats() from 1.4 on: 15 columns, not_stored last. */
+/*
+ * idem_stats() from 1.4 on: the 1.3 columns, then not_stored, evictions,
+ * force_releases, waits, the times and stats_reset.
+ */
 Datum
 idem_stats_1_4(PG_FUNCTION_ARGS)
 {

@@ -11,6 +11,7 @@
 #include "postgres.h"
 
 #include "datatype/timestamp.h"
+#include "portability/instr_time.h"
 
 typedef enum IdemStat
 {
@@ -25,6 +26,13 @@ typedef enum IdemStat
 	IDEM_STAT_PURGED_ROWS,
 	IDEM_STAT_PURGE_RUNS,
 	IDEM_STAT_NOT_STORED,		/* responses too large: a fixed answer stored */
+	IDEM_STAT_EVICTIONS,		/* idem_evict */
+	IDEM_STAT_FORCE_RELEASES,	/* idem_force_release */
+	IDEM_STAT_WAITS,			/* waits for a holder or a result */
+	IDEM_STAT_CLAIM_USECS,		/* time of idem_begin calls that claimed */
+	IDEM_STAT_REPLAY_USECS,		/* time of idem_begin calls that replayed */
+	IDEM_STAT_COMPLETE_USECS,	/* time of idem_complete calls */
+	IDEM_STAT_WAIT_USECS,		/* time waited */
 	IDEM_STAT_NUM
 } IdemStat;
 
@@ -33,6 +41,8 @@ typedef enum IdemStat
 
 extern void idem_stats_shmem_init(void);
 extern void idem_stats_add(IdemStat stat, uint64 n);
+extern void idem_stats_start(instr_time *started);
+extern void idem_stats_add_time(IdemStat stat, instr_time *started);
 extern void idem_stats_prepare_encoding(void);
 extern void idem_stats_purge_done(Oid dboid, const char *error);
 extern void idem_stats_purge_skipped(Oid dboid, const char *reason);

@@ -866,6 +866,7 @@ idem_purge_main(Datum main_arg)
 	Oid			dboid = DatumGetObjectId(main_arg);
 	PurgeWorkerArgs args;
 	MemoryContext error_cxt;
+	TimestampTz started;
 
 	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
 	purge_visit = args.visit;
@@ -887,6 +888,7 @@ idem_purge_main(Datum main_arg)
 
 	error_cxt = AllocSetContextCreate(TopMemoryContext, "idem purge error",
 									  ALLOCSET_DEFAULT_SIZES);
+	started = GetCurrentTimestamp();
 
 	switch (purge_database_or_exit(dboid, args.dbname, error_cxt))
 	{
@@ -903,8 +905,10 @@ idem_purge_main(Datum main_arg)
 		case BATCH_MORE:
 		case BATCH_LAST:
 			idem_stats_purge_done(dboid, NULL);
-			elog(DEBUG1, "idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s)",
-				 (long long) purge_deleted, args.dbname, purge_batches);
+			ereport((purge_deleted > 0 && idem_log_purge) ? LOG : DEBUG1,
+					(errmsg("idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s), %ld ms",
+							(long long) purge_deleted, args.dbname, purge_batches,
+							TimestampDifferenceMilliseconds(started, GetCurrentTimestamp()))));
 			break;
 	}
 	purge_report(VISIT_FINISHED);
