@@ -26,8 +26,10 @@
 # the file creates the extension itself, so has the top-level README's
 # Install block (the extension in idem_api, granted to app).  A block
 # passes if it exits 0 within 120 s (a Go build and run, 300 s) and the server logged no ERROR or
-# FATAL while it ran.  The README's Install block also runs with
-# "\set schema public", followed by a call as app.
+# FATAL while it ran.  After a file's Python, JavaScript or Go blocks,
+# the keys they used must be stored, none left in flight.  The README's
+# Install block also runs with "\set schema public", followed by a call
+# as app.
 #
 # The cluster listens on port 55462 (IDEM_DOCS_PORT), without the purge
 # worker.  The extension must be installed (make install).  Prints
@@ -218,11 +220,29 @@ run_one() {
 	if [ "$rc" -eq 0 ]; then report OK "$6" "$log"; else report FAIL "$6" "$log"; fi
 }
 
+# file_done: after the blocks of a file with client code (Python,
+# JavaScript, Go), the keys they used are stored: a client that could not
+# reach the server answers unavailable without an error in the server's log.
+file_done() {
+	[ -n "$clients" ] || return 0
+	"$bindir/psql" -X -A -t -U postgres -d app -c "SELECT count(*) FILTER (WHERE state = 'DONE') || ' done, '
+		|| count(*) FILTER (WHERE state <> 'DONE') || ' in flight' FROM idem_api.idem_keys" \
+		>"$work/keys.log" 2>&1
+	if grep -Eq '^[1-9][0-9]* done, 0 in flight$' "$work/keys.log"; then
+		report OK "$current: the keys of its examples are stored ($(cat "$work/keys.log"))"
+	else
+		report FAIL "$current: the keys of its examples are stored, none left in flight" "$work/keys.log"
+	fi
+}
+
 # 4. The blocks, a database per file.
 current=
+clients=
 while IFS="$(printf '\t')" read -r k file line lang opts; do
 	if [ "$file" != "$current" ]; then
+		[ -n "$current" ] && file_done
 		current=$file
+		clients=
 		if grep -q 'CREATE EXTENSION idem' $(awk -F '\t' -v f="$file" -v d="$work/blocks" \
 			'$2 == f { printf "%s/%s.%s ", d, $1, $4 }' "$work/blocks/index"); then
 			inst=
@@ -232,6 +252,7 @@ while IFS="$(printf '\t')" read -r k file line lang opts; do
 		fresh_db "$inst" >"$work/db.log" 2>&1 || report FAIL "$file: the database app" "$work/db.log"
 	fi
 	run_one "$k" "$file" "$line" "$lang" "$opts" "$file:$line"
+	case "$lang" in python | js | go) clients=1 ;; esac
 	if [ "$work/blocks/$k.sql" = "$install" ]; then
 		# The Install block's other layout: the extension in public.
 		sed 's/^\\set schema idem_api$/\\set schema public/' "$install" >"$work/public.sql"
@@ -248,5 +269,6 @@ while IFS="$(printf '\t')" read -r k file line lang opts; do
 		fresh_db "$install" >"$work/db.log" 2>&1 || report FAIL "$file: the database app" "$work/db.log"
 	fi
 done <"$work/blocks/index"
+[ -n "$current" ] && file_done
 
 finish

@@ -134,7 +134,7 @@ elsif ($cmd eq 'go')
 	}
 	# Compiler messages name the documentation's file and line.
 	my $body = sprintf("//line %s:%d\n%s\n", $file, $line + 1, $text)
-		. join('', map { "_ = $_\n" } @names);
+		. join('', map { $_ eq 'err' ? "mustBeNil(err)\n" : "_ = $_\n" } @names);
 	$main =~ s/^\@BLOCK\@\n/$body/m or die "$template: no \@BLOCK\@ line\n";
 	print $main;
 }
