@@ -50,6 +50,7 @@ n=0
 passed=0
 failed=0
 
+# shellcheck disable=SC2317 # called by the traps
 cleanup() {
 	trap - EXIT INT TERM
 	[ -d "$dir/data" ] && sh "$top/test/cluster.sh" stop "$dir" >/dev/null 2>&1
@@ -161,7 +162,7 @@ fresh_db() {
 }
 
 # run_block K FILE LINE LANG OPTS LOG: runs block K, each program with a
-# deadline (timeout exits 124).
+# deadline (timeout exits 124), reading /dev/null (fd 3), not the index.
 run_block() {
 	k=$1 file=$2 line=$3 lang=$4 opts=$5 log=$6
 	as=postgres
@@ -194,7 +195,7 @@ run_block() {
 			perl "$docs/blocks.pl" go "$docs/main.go.in" "$src" "$file" "$line" \
 				>"$work/gopath/src/docs/b$k/main.go" &&
 			(cd "$work/gopath/src/docs/b$k" &&
-				GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
+				GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS='' GOPROXY=off \
 					timeout 300 go run .)
 		;;
 	sh)
@@ -204,7 +205,7 @@ run_block() {
 		echo "no way to run a $lang block"
 		false
 		;;
-	esac >"$log" 2>&1
+	esac <&3 >"$log" 2>&1
 }
 
 # run_one K FILE LINE LANG OPTS NAME: runs block K and reports it,
@@ -235,7 +236,12 @@ file_done() {
 	fi
 }
 
-# 4. The blocks, a database per file.
+# 4. The blocks, a database per file.  The files that create the extension
+# themselves:
+installers=$(awk -F '\t' '$4 == "sql" { print $1 "\t" $2 }' "$work/blocks/index" |
+	while IFS="$(printf '\t')" read -r k file; do
+		grep -q 'CREATE EXTENSION idem' "$work/blocks/$k.sql" && echo "$file"
+	done)
 current=
 clients=
 while IFS="$(printf '\t')" read -r k file line lang opts; do
@@ -243,8 +249,7 @@ while IFS="$(printf '\t')" read -r k file line lang opts; do
 		[ -n "$current" ] && file_done
 		current=$file
 		clients=
-		if grep -q 'CREATE EXTENSION idem' $(awk -F '\t' -v f="$file" -v d="$work/blocks" \
-			'$2 == f { printf "%s/%s.%s ", d, $1, $4 }' "$work/blocks/index"); then
+		if printf '%s\n' "$installers" | grep -qxF "$file"; then
 			inst=
 		else
 			inst=$install
@@ -256,11 +261,10 @@ while IFS="$(printf '\t')" read -r k file line lang opts; do
 	if [ "$work/blocks/$k.sql" = "$install" ]; then
 		# The Install block's other layout: the extension in public.
 		sed 's/^\\set schema idem_api$/\\set schema public/' "$install" >"$work/public.sql"
-		{ grep -q '^\\set schema public$' "$work/public.sql" &&
+		if { grep -q '^\\set schema public$' "$work/public.sql" &&
 			fresh_db "" && psql_as postgres -d app -f "$work/public.sql" &&
 			psql_as app -d app -c "SELECT claimed FROM public.idem_begin('docs-public', 'fp')"
-		} >"$work/public.log" 2>&1
-		if [ $? -eq 0 ]; then
+		} >"$work/public.log" 2>&1; then
 			report OK "$file:$line with \\set schema public, then a call as app"
 		else
 			report FAIL "$file:$line with \\set schema public, then a call as app" "$work/public.log"
@@ -268,7 +272,7 @@ while IFS="$(printf '\t')" read -r k file line lang opts; do
 		# Back to the layout the file's next blocks expect.
 		fresh_db "$install" >"$work/db.log" 2>&1 || report FAIL "$file: the database app" "$work/db.log"
 	fi
-done <"$work/blocks/index"
+done 3</dev/null <"$work/blocks/index"
 [ -n "$current" ] && file_done
 
 finish
