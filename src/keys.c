@@ -716,7 +716,7 @@ check_holder(const HeldCall *hc, KeyRow *row, bool binds_roles)
 					(errcode(ERRCODE_IDEM_NO_CLAIM),
 					 errmsg("idempotency key \"%s\" is not claimed by this transaction",
 							idem_key_for_message(hc->key)),
-					 errhint("Pass the token idem_begin returned.")));
+					 errhint("Pass the token of the claim. idem_begin returns one only when it claims (claimed = true): a replay, a conflict or a key in flight has none.")));
 		token = row->token;
 	}
 	else

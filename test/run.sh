@@ -1,6 +1,7 @@
 #!/bin/sh
 # Build with warnings as errors, install, and run every test suite:
-# pg_regress, isolation, TAP, and the Go, Python and Node clients' suites.
+# pg_regress, isolation, TAP, the Go, Python and Node clients' suites and
+# the documentation's code blocks.
 # Ends with "N passed, N failed".
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
@@ -34,11 +35,12 @@ else
 	sudo make -s install >/dev/null || exit 1
 	{ make -s installcheck 2>&1; echo "exit status $?"; } | tee "$log"
 fi
-# The client libraries' suites (clients/*/test.sh), each against its own
+# The client libraries' suites (clients/*/test.sh), then the
+# documentation's code blocks (test/docs.sh), each against its own
 # throwaway cluster, on the host's PostgreSQL only (the version matrix sets
 # IDEM_CLIENTS=no).  Each ends with its own "N passed, N failed" line.
 if [ "${IDEM_CLIENTS:-yes}" != no ]; then
-	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh; do
+	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh test/docs.sh; do
 		echo "== $t"
 		{ sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
 	done
