@@ -130,7 +130,7 @@ prepare_chroot() {
 
 # What building the Debian packages needs (debian/control's Build-Depends),
 # installed on top of a prepared chroot unless its marker says they are.
-deb_packages="dpkg-dev debhelper postgresql-server-dev-all dh-python"
+deb_packages="build-essential dpkg-dev debhelper postgresql-server-dev-all dh-python"
 deb_packages="$deb_packages pybuild-plugin-pyproject python3-all python3-setuptools"
 prepare_deb() {
 	local root=$1 marker=$1/.idem-matrix-deb rc
@@ -241,6 +241,8 @@ deb_cmd() {
 	ls ./*.deb
 	apt-get -o DPkg::Lock::Timeout=600 install -y -qq ./postgresql-$1-idem_*.deb >/dev/null
 	dpkg -S /usr/lib/postgresql/$1/lib/idem.so /usr/share/postgresql/$1/extension/idem.control
+	# The cached chroot keeps no package of this tree.
+	dpkg --purge postgresql-$1-idem >/dev/null
 	echo 'package postgresql-$1-idem: built and installed'"
 }
 
