@@ -73,8 +73,8 @@ debootstrap_chroot() {
 	fi
 	m=$(mirror) || { echo "no Debian mirror configured in /etc/apt" >&2; return 1; }
 	command -v debootstrap >/dev/null || {
-		apt-get update -qq &&
-			DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >/dev/null ||
+		apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+			DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq debootstrap >/dev/null ||
 			return 1
 	}
 	echo "preparing a $suite chroot in $root"

@@ -2,7 +2,9 @@
 # Build the Debian packages of idem and test them in a clean Debian 12
 # (bookworm) chroot (make deb).
 #
-#   test/deb.sh               build from the committed tree (git archive HEAD)
+#   test/deb.sh               build from the committed tree (git archive HEAD),
+#                             or from the tree as it is when it is not a git
+#                             checkout (a release tarball, a PGXN zip)
 #   test/deb.sh --worktree    build from the working tree as it is now
 #   test/deb.sh --prepare     only build (or check) the cached chroot
 #
@@ -10,8 +12,10 @@
 #    and its version against debian/changelog and idem.control.
 # 2. A clean copy of the tree is built on the host (Debian 12) with
 #    `dpkg-buildpackage -us -uc -b` (debian/: pg_buildext, one
-#    postgresql-NN-idem per version in debian/pgversions, and
-#    libidem-guard-dev).  The build dependencies are installed if missing.
+#    postgresql-NN-idem per version in debian/pgversions, libidem-guard-dev,
+#    and python3-idem-pg with pybuild), with Debian's own tools first on
+#    PATH.  The build dependencies (and lintian) are installed if missing;
+#    lintian --pedantic finds no tag but the one every extension gets.
 #    The .debs and the logs go to test/output/deb/ ($IDEM_DEB_OUT).
 # 3. A bookworm chroot is built with debootstrap (variant minbase) from the
 #    host's configured Debian mirror, with the host's Debian apt sources,
@@ -22,7 +26,10 @@
 #    unprivileged user idemtest with shared_preload_libraries = 'idem' runs
 #    CREATE EXTENSION idem, a claim, a complete and a replay; a program
 #    built against libidem-guard-dev (-lidem_guard -lpq -pthread) runs the
-#    guard against it; then `make installcheck` of the source tree, as
+#    guard against it; Debian's python3 imports idem_pg from
+#    python3-idem-pg (with its py.typed) and runs its Guard against it; the
+#    links of the installed README and doc/*.md lead to installed files;
+#    then `make installcheck` of the source tree, as
 #    idemtest, with the chroot's pg_config (pg_regress and isolation suites,
 #    each on its own temporary server; IDEM_DEB_TAP=1 adds the TAP suites).
 #
@@ -202,7 +209,8 @@ check "META.json against the PGXN meta spec" perl "$top/test/pgxn_meta.pl" "$top
 check "versions agree" meta_versions
 
 # 2. Build.
-build_deps="dpkg-dev debhelper postgresql-server-dev-all libpq-dev"
+build_deps="dpkg-dev debhelper postgresql-server-dev-all libpq-dev dh-python
+	pybuild-plugin-pyproject python3-all python3-setuptools lintian"
 install_build_deps() {
 	local p missing=""
 	for p in $build_deps; do
@@ -211,17 +219,20 @@ install_build_deps() {
 	done
 	[ -n "$missing" ] || return 0
 	echo "installing$missing"
-	apt-get update -qq &&
+	apt-get -o DPkg::Lock::Timeout=600 update -qq &&
 		# shellcheck disable=SC2086
-		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
-			$missing >/dev/null
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+			--no-install-recommends $missing >/dev/null
 }
 
 # A clean copy of the tree in $build_dir/idem-VERSION.
 copy_tree() {
 	local dest=$1
 	mkdir -p "$dest"
-	if [ "$source_mode" = head ]; then
+	# A tree that is not the top of a git checkout (a release tarball, a
+	# PGXN zip) is built as it is.
+	if [ "$source_mode" = head ] && [ -e "$top/.git" ] &&
+		[ "$(git -C "$top" rev-parse --show-toplevel 2>/dev/null)" = "$top" ]; then
 		git -C "$top" cat-file -e HEAD:debian/control 2>/dev/null || {
 			echo "debian/ is not committed; commit it or use --worktree"
 			return 1
@@ -242,7 +253,9 @@ build() {
 	version=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) || return 1
 	src=$build_dir/idem-$version
 	copy_tree "$src" || return 1
-	(cd "$src" && dpkg-buildpackage -us -uc -b) >"$work/build.log" 2>&1 || {
+	# Debian's python3 and tools, not whatever else is first on PATH.
+	(cd "$src" && env PATH=/usr/sbin:/usr/bin:/sbin:/bin dpkg-buildpackage -us -uc -b) \
+		>"$work/build.log" 2>&1 || {
 		tail -n 40 "$work/build.log"
 		return 1
 	}
@@ -256,6 +269,18 @@ check "dpkg-buildpackage -us -uc -b (log: $out/build.log)" build
 rc=$?
 t_build=$((SECONDS - start))
 [ "$rc" -eq 0 ] || result
+# lintian: no tag but the one every extension's package
+# gets (the repeated lib of /usr/lib/postgresql/NN/lib/).
+lint() {
+	local tags
+	tags=$(cd "$work" && lintian --pedantic -I ./*.changes 2>&1 |
+		grep -v 'running with root privileges' |
+		grep -v 'repeated-path-segment lib \[usr/lib/postgresql/[0-9]*/lib/\]')
+	[ -z "$tags" ] && echo "lintian: no tags" && return 0
+	echo "$tags"
+	return 1
+}
+check "lintian --pedantic" lint
 # The test needs the extension's package, not its debug symbols.
 debs=()
 for f in "$work"/*.deb; do
@@ -293,9 +318,10 @@ check "a throwaway overlay on the chroot" overlay || result
 # 4. Install and test.
 check "apt-get install -y ./*.deb (${debs[*]})" in_chroot "
 	chown _apt /var/cache/apt/archives/partial
-	apt-get update -qq
-	cd /build/debs && apt-get install -y ./*.deb
-	dpkg -l postgresql-$pgv-idem libidem-guard-dev postgresql-$pgv | grep '^ii'" || result
+	apt-get -o DPkg::Lock::Timeout=600 update -qq
+	cd /build/debs && apt-get -o DPkg::Lock::Timeout=600 install -y ./*.deb
+	dpkg -l postgresql-$pgv-idem libidem-guard-dev python3-idem-pg postgresql-$pgv | grep '^ii'" ||
+	result
 
 # The extension's version and its install and update scripts, as in the
 # tree that was built.
@@ -304,13 +330,21 @@ scripts=()
 for f in "$root"/build/idem/sql/idem--*.sql; do
 	scripts+=("postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/$(basename "$f")")
 done
+docs=()
+for f in "$root"/build/idem/doc/*.md; do
+	docs+=("postgresql-$pgv-idem:/usr/share/doc/postgresql-$pgv-idem/$(basename "$f")")
+done
 installed_files() {
 	local f
 	for f in "postgresql-$pgv-idem:/usr/lib/postgresql/$pgv/lib/idem.so" \
 		"postgresql-$pgv-idem:/usr/share/postgresql/$pgv/extension/idem.control" \
 		"${scripts[@]}" \
 		"libidem-guard-dev:/usr/include/postgresql/idem_guard.h" \
-		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/libidem_guard.a"; do
+		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/libidem_guard.a" \
+		"python3-idem-pg:/usr/lib/python3/dist-packages/idem_pg/__init__.py" \
+		"python3-idem-pg:/usr/lib/python3/dist-packages/idem_pg/py.typed" \
+		"postgresql-$pgv-idem:/usr/share/doc/postgresql-$pgv-idem/README.md" \
+		"${docs[@]}"; do
 		in_chroot "dpkg -S '${f#*:}' | grep -q '^${f%%:*}: '" || {
 			echo "${f#*:} is not in ${f%%:*}"
 			return 1
@@ -323,7 +357,8 @@ check "files in their packages" installed_files || result
 # Tools for the tests only: make for installcheck, a compiler for the guard
 # program.
 check "make and gcc for the tests" in_chroot \
-	"apt-get install -y -qq --no-install-recommends make gcc libc6-dev >/dev/null" || result
+	"apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends make gcc libc6-dev >/dev/null" ||
+	result
 
 sock=/tmp/idem-deb-sock
 check "a server as idemtest with shared_preload_libraries = 'idem'" in_chroot "
@@ -404,6 +439,54 @@ EOF
 }
 check "a program built with -lidem_guard -lpq -pthread: executed, then replayed" guard_check
 
+python_check() {
+	local got
+	cat >"$root/build/python_check.py" <<'EOF'
+"""Claim, run and complete one key through the installed idem_pg, then replay."""
+import os
+import sys
+
+import idem_pg
+from idem_pg import Guard, Response
+
+calls = []
+
+
+def charge(claim):
+    calls.append(claim.key)
+    return Response(201, b"made")
+
+
+guard = Guard(sys.argv[1])
+r1 = guard.do("deb-python", "card=1", charge)
+r2 = guard.do("deb-python", "card=1", charge)
+here = os.path.dirname(idem_pg.__file__)
+print(here, os.path.exists(os.path.join(here, "py.typed")), r1.outcome.value,
+      r2.outcome.value, "calls=%d" % len(calls), r2.response.status, r2.response.body.decode())
+EOF
+	got=$(as_idemtest "cd /tmp && python3 /build/python_check.py 'host=$sock dbname=postgres'") ||
+		{ echo "$got"; return 1; }
+	echo "$got"
+	[ "$got" = "/usr/lib/python3/dist-packages/idem_pg True EXECUTED REPLAYED calls=1 201 made" ]
+}
+check "python3 imports idem_pg from python3-idem-pg: its Guard executed, then replayed" python_check
+
+# Every relative link of the installed README and doc/*.md leads to a file
+# of the installed packages (the Go and Node clients are not packaged).
+doc_links() {
+	local d=$root/usr/share/doc/postgresql-$pgv-idem f target bad=0 n=0
+	for f in "$d"/*.md; do
+		for target in $(grep -oE '\]\([^)#]+' "$f" | sed 's/^](//' |
+			grep -vE '^[a-z]+:|^clients/(go|node)/'); do
+			n=$((n + 1))
+			[ -e "$d/$target" ] || { echo "$(basename "$f"): $target is not installed"; bad=1; }
+		done
+	done
+	echo "$n links checked"
+	[ "$bad" -eq 0 ] && [ "$n" -gt 0 ]
+}
+check "the installed README's and doc/*.md's links lead to installed files" doc_links
+
 check "server stopped" as_idemtest \
 	"pg_ctl -D /tmp/idem-deb-pg -m fast -w stop && rm -rf /tmp/idem-deb-pg"
 
@@ -412,7 +495,8 @@ tap="TAP_TESTS="
 if [ "${IDEM_DEB_TAP:-0}" = 1 ]; then
 	tap=""
 	check "IPC::Run and pgbouncer for the TAP suites" in_chroot \
-		"apt-get install -y -qq --no-install-recommends libipc-run-perl pgbouncer libpq-dev >/dev/null" ||
+		"apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+			libipc-run-perl pgbouncer libpq-dev >/dev/null" ||
 		result
 	check "the guard's test programs for the TAP suites" as_idemtest \
 		"cd /build/idem && make -s guard-all PG_CONFIG=/usr/lib/postgresql/$pgv/bin/pg_config" ||

@@ -9,6 +9,9 @@
 # the same snapshot of this tree, taken when the matrix starts, and runs what
 # make test runs (test/run.sh: build with -Werror, install, pg_regress,
 # isolation, TAP as the user idemtest) and then the demo (test/demo.sh).
+# In each chroot it then builds that version's Debian package from debian/
+# (postgresql-NN-idem, with `pg_buildext updatecontrol` for the suite's
+# PostgreSQL) and installs it with apt.
 #
 # The chroots are built with debootstrap from the host's configured Debian
 # mirror and kept in $IDEM_MATRIX_CACHE (default /var/cache/idem-matrix) for
@@ -117,12 +120,36 @@ prepare_chroot() {
 	# shellcheck disable=SC2086
 	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
 		DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 sh -c "
-		apt-get update -qq &&
-		apt-get install -y -qq --no-install-recommends \
+		apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
 			-o Dpkg::Options::=--force-confold $pkgs >/dev/null &&
 		apt-get clean" || { unmount_below "$root"; return 1; }
 	unmount_below "$root"
 	echo "$suite: $pkgs" >"$marker"
+}
+
+# What building the Debian packages needs (debian/control's Build-Depends),
+# installed on top of a prepared chroot unless its marker says they are.
+deb_packages="build-essential dpkg-dev debhelper postgresql-server-dev-all dh-python"
+deb_packages="$deb_packages pybuild-plugin-pyproject python3-all python3-setuptools"
+prepare_deb() {
+	local root=$1 marker=$1/.idem-matrix-deb rc
+	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$deb_packages" ]; then
+		echo "reusing the packaging tools in $root"
+		return 0
+	fi
+	mount_chroot "$root" || return 1
+	# shellcheck disable=SC2086
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		DEBIAN_FRONTEND=noninteractive LANG=C.UTF-8 sh -c "
+		apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends \
+			-o Dpkg::Options::=--force-confold $deb_packages >/dev/null &&
+		apt-get clean"
+	rc=$?
+	unmount_below "$root"
+	[ "$rc" -eq 0 ] || { echo "installing the packaging tools in $root failed" >&2; return 1; }
+	echo "$deb_packages" >"$marker"
 }
 
 # Build and install Citus for version $1 in the chroot $2 from
@@ -199,6 +226,26 @@ run_host() {
 	return $rc
 }
 
+# Build the Debian package of version $1 from a fresh copy of the snapshot
+# (in /build/deb) and install it with apt: the commands, run in its chroot.
+deb_cmd() {
+	echo "set -e
+	echo '== Debian package postgresql-$1-idem'
+	rm -rf /build/deb && mkdir -p /build/deb/idem && cd /build/deb/idem
+	tar -xf /build/idem-src.tar
+	pg_buildext updatecontrol
+	grep -q '^Package: postgresql-$1-idem\$' debian/control
+	dpkg-buildpackage -us -uc -b >/build/deb/build.log 2>&1 ||
+		{ tail -n 40 /build/deb/build.log; exit 1; }
+	cd /build/deb
+	ls ./*.deb
+	apt-get -o DPkg::Lock::Timeout=600 install -y -qq ./postgresql-$1-idem_*.deb >/dev/null
+	dpkg -S /usr/lib/postgresql/$1/lib/idem.so /usr/share/postgresql/$1/extension/idem.control
+	# The cached chroot keeps no package of this tree.
+	dpkg --purge postgresql-$1-idem >/dev/null
+	echo 'package postgresql-$1-idem: built and installed'"
+}
+
 # Run the suites for version $1 in the chroot $2; output goes to stdout.
 run_chroot() {
 	local v=$1 root=$2 rc
@@ -207,10 +254,13 @@ run_chroot() {
 	rm -rf "$root/build" "$root"/tmp/idem-*
 	mkdir -p "$root/build/idem"
 	tar -C "$root/build/idem" -xf "$snapshot"
+	cp "$snapshot" "$root/build/idem-src.tar"
 	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
 		HOME=/root LANG=C.UTF-8 PG_CONFIG="/usr/lib/postgresql/$v/bin/pg_config" \
 		sh -c "cd /build/idem && $(suite_cmd "$v")"
 	rc=$?
+	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
+		HOME=/root LANG=C.UTF-8 DEBIAN_FRONTEND=noninteractive sh -c "$(deb_cmd "$v")" || rc=1
 	unmount_below "$root"
 	rm -rf "$logdir/pg$v"
 	[ -d "$root/build/idem/test/output" ] &&
@@ -224,7 +274,8 @@ if [ "$prepare_only" -eq 1 ]; then
 	for v in "${versions[@]}"; do
 		[ "$v" = "$host_version" ] && continue
 		start=$SECONDS
-		if prepare_chroot "$v" "$cache/$(suite_of "$v")"; then
+		if prepare_chroot "$v" "$cache/$(suite_of "$v")" &&
+			prepare_deb "$cache/$(suite_of "$v")"; then
 			echo "PostgreSQL $v: chroot preparation took $((SECONDS - start))s"
 			start=$SECONDS
 			prepare_citus "$v" "$cache/$(suite_of "$v")" || rc=1
@@ -254,6 +305,7 @@ for v in "${versions[@]}"; do
 		root=$cache/$suite
 		echo "=== PostgreSQL $v in a $where"
 		if prepare_chroot "$v" "$root" >"$logdir/pg$v-prepare.log" 2>&1 &&
+			prepare_deb "$root" >>"$logdir/pg$v-prepare.log" 2>&1 &&
 			prepare_citus "$v" "$root" >>"$logdir/pg$v-prepare.log" 2>&1; then
 			prep=$((SECONDS - start))
 			start=$SECONDS

@@ -21,7 +21,7 @@ if ! command -v valgrind >/dev/null 2>&1; then
 	sudo=""
 	[ "$(id -u)" -eq 0 ] || sudo="sudo"
 	echo "installing: valgrind"
-	DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq \
+	DEBIAN_FRONTEND=noninteractive $sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
 		--no-install-recommends valgrind >/dev/null || {
 		echo "valgrind is not installed and could not be installed" >&2
 		exit 2

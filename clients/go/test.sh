@@ -49,8 +49,8 @@ command -v go >/dev/null 2>&1 || missing="$missing golang-go"
 if [ -n "$missing" ]; then
 	if [ "$(id -u)" -eq 0 ]; then sudo=; else sudo=sudo; fi
 	echo "go client: installing$missing"
-	$sudo apt-get update -qq >/dev/null &&
-		$sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $missing >/dev/null ||
+	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null &&
+		$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $missing >/dev/null ||
 		fail "could not install$missing"
 fi
 command -v pg_config >/dev/null 2>&1 || fail "pg_config not found: install the extension first (make install)"

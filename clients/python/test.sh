@@ -105,5 +105,6 @@ failed=$(( ${failed:-0} + ${errors:-0} ))
 if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
 	failed=1            # pytest itself failed (collection, no tests, crash)
 fi
+sh "$here/typecheck.sh" || { echo "$passed passed, $failed failed"; exit 1; }   # mypy: its own count line
 echo "$passed passed, $failed failed"
 [ "$rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]

@@ -22,7 +22,8 @@ as_owner() {
 command -v valgrind >/dev/null || {
 	echo "installing valgrind"
 	sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
-	$sudo apt-get update -qq && $sudo apt-get install -y -qq valgrind >/dev/null
+	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		$sudo apt-get -o DPkg::Lock::Timeout=600 install -y -qq valgrind >/dev/null
 }
 [ "$(id -u)" -eq 0 ] && sh "$top/test/user.sh" && chown idemtest "$dir"
 as_owner "'$bindir/initdb' -D '$dir/data' -A trust -U postgres >/dev/null"

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
-from typing import Any, AsyncIterator, Awaitable, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, cast
 
 import psycopg
 from psycopg import pq
@@ -180,7 +180,7 @@ class AsyncGuard:
             return row
         except asyncio.TimeoutError as exc:
             await asyncio.shield(abort_statement(conn))
-            raise Timeout("no answer from the server in %.1f s" % (timeout + CANCEL_GRACE)) from exc
+            raise Timeout("no answer from the server in %.1f s" % ((timeout or 0.0) + CANCEL_GRACE)) from exc
         except asyncio.CancelledError:
             await asyncio.shield(abort_statement(conn))
             raise
@@ -299,8 +299,9 @@ class AsyncGuard:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
             return result
 
-        result.token = row.token
-        claim = Claim(key, fingerprint, scope, row.token)
+        token = cast(int, row.token)  # an executed claim has its token
+        result.token = token
+        claim = Claim(key, fingerprint, scope, token)
         hb = None
         if self.heartbeat:
             hb = _AsyncHeartbeat(self, claim, lease)
@@ -316,7 +317,7 @@ class AsyncGuard:
             result.error = exc
             result.failed_step = "handler"
             if not self.keep_claim_on_error:
-                await asyncio.shield(self._release_quietly(result, key, row.token, scope))
+                await asyncio.shield(self._release_quietly(result, key, token, scope))
                 result.error = exc
             if not isinstance(exc, Exception):
                 raise
@@ -327,7 +328,7 @@ class AsyncGuard:
 
         result.response = resp
         try:
-            await self.complete(key, fingerprint, resp.status, resp.body, row.token,
+            await self.complete(key, fingerprint, resp.status, resp.body, token,
                                 retention=retention, scope=scope)
         except Exception as exc:  # noqa: BLE001
             result.error = translate(exc)

@@ -9,7 +9,7 @@ sent only once it has ended.
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Tuple, cast
 
 from ._common import Outcome, Response
 from ._http import Headers, NotStored, Settings, pack
@@ -118,7 +118,8 @@ class IdempotencyMiddleware:
         result = await self.guard.do(key, fingerprint, handler, scope=tenant,
                                      wait_for=s.wait_of(scope))
         if result.outcome is Outcome.REPLAYED:
-            await self._send(send, *s.replay(result.response.status, result.response.body))
+            stored = cast(Response, result.response)
+            await self._send(send, *s.replay(stored.status, stored.body))
         elif result.outcome is Outcome.IN_FLIGHT:
             await self._send(send, *s.in_flight(result.lease_left))
         elif result.outcome is Outcome.CONFLICT:
@@ -128,7 +129,7 @@ class IdempotencyMiddleware:
             await self._send(send, *s.unavailable())
         else:
             if result.failed_step == "handler" and not isinstance(result.error, NotStored):
-                raise result.error          # released; the framework answers 500
+                raise cast(BaseException, result.error)   # released; the framework answers 500
             if result.failed_step == "complete":
                 log.error("response for key %r not stored: %s", key, result.error)
             await self._send(send, captured.status, captured.headers, captured.body)

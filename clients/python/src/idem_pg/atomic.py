@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Iterator, Optional
+from typing import Any, AsyncIterator, Iterator, Optional, Sequence, cast
 
 import psycopg
 
@@ -50,21 +50,26 @@ class Atomic:
         self.expires_at = None
 
     @property
+    def _row(self) -> BeginRow:
+        # Set by the claim before the transaction is handed out.
+        return cast(BeginRow, self.row)
+
+    @property
     def outcome(self) -> Outcome:
-        return self.row.outcome()
+        return self._row.outcome()
 
     @property
     def claimed(self) -> bool:
-        return self.row.claimed
+        return self._row.claimed
 
     @property
     def token(self) -> Optional[int]:
-        return self.row.token
+        return self._row.token
 
     @property
     def response(self) -> Optional[Response]:
         """The stored response when REPLAYED."""
-        return self.row.response()
+        return self._row.response()
 
     def _complete_args(self, status: int, body: Any, retention: Seconds):
         if not self.claimed:
@@ -99,7 +104,7 @@ class AsyncAtomic(Atomic):
 
 
 def _ms(value: Seconds) -> str:
-    return "%d" % max(1, round(seconds(value) * 1000))
+    return "%d" % max(1, round(cast(float, seconds(value)) * 1000))
 
 
 def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
@@ -111,7 +116,7 @@ def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
     check_wait(wait, wait_for)
     w = wait_seconds(wait_for)
     params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
-    lt = None if lock_timeout is None else seconds(lock_timeout) + (w or 0.0)
+    lt = None if lock_timeout is None else cast(float, seconds(lock_timeout)) + (w or 0.0)
     if w:
         return st.begin_wait, params + [interval(w)], lt
     return st.begin, params, lt
@@ -137,7 +142,7 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
                 prev = None
                 if lt is not None:
                     cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
-                    prev = cur.fetchone()[0]
+                    prev = cast(Sequence[Any], cur.fetchone())[0]
                 cur.execute(query, params)
                 tx.row = BeginRow.of(cur.fetchone())
                 if prev is not None:
@@ -169,7 +174,7 @@ async def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str
                 prev = None
                 if lt is not None:
                     await cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
-                    prev = (await cur.fetchone())[0]
+                    prev = cast(Sequence[Any], await cur.fetchone())[0]
                 await cur.execute(query, params)
                 tx.row = BeginRow.of(await cur.fetchone())
                 if prev is not None:

@@ -114,7 +114,7 @@ def translate(exc: BaseException) -> BaseException:
         err = cls(message or cls.__name__, sqlstate=state)
         err.__cause__ = exc
         return err
-    if PoolTimeout and isinstance(exc, (PoolTimeout, PoolClosed)):
+    if PoolTimeout and isinstance(exc, (PoolTimeout, PoolClosed)):  # type: ignore[truthy-function]
         err = Unavailable(str(exc) or "connection pool timeout")
         err.__cause__ = exc
         return err

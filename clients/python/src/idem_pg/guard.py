@@ -19,7 +19,7 @@ import logging
 import math
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, cast
 
 import psycopg
 from psycopg import pq
@@ -345,8 +345,9 @@ class Guard:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
             return result
 
-        result.token = row.token
-        claim = Claim(key, fingerprint, scope, row.token)
+        token = cast(int, row.token)  # an executed claim has its token
+        result.token = token
+        claim = Claim(key, fingerprint, scope, token)
         hb = None
         if self.heartbeat:
             try:
@@ -355,7 +356,7 @@ class Guard:
             except Exception as exc:  # noqa: BLE001 - no heartbeat, do not run
                 result.error = exc
                 result.failed_step = "heartbeat"
-                self._release_quietly(result, key, row.token, scope)
+                self._release_quietly(result, key, token, scope)
                 return result
 
         result.outcome = Outcome.EXECUTED
@@ -368,7 +369,7 @@ class Guard:
             result.error = exc
             result.failed_step = "handler"
             if not self.keep_claim_on_error:
-                self._release_quietly(result, key, row.token, scope)
+                self._release_quietly(result, key, token, scope)
                 result.error = exc
             if not isinstance(exc, Exception):
                 raise
@@ -379,7 +380,7 @@ class Guard:
 
         result.response = resp
         try:
-            self.complete(key, fingerprint, resp.status, resp.body, row.token,
+            self.complete(key, fingerprint, resp.status, resp.body, token,
                           retention=retention, scope=scope)
         except Exception as exc:  # noqa: BLE001 - executed, not stored
             result.error = translate(exc)
