@@ -49,13 +49,22 @@
 #define SQL_CLOCK \
 	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
 	" true)"
-#define SQL_TIMEOUTS \
-	"SELECT pg_catalog.set_config('lock_timeout', $1::pg_catalog.text, true)," \
-	" pg_catalog.set_config('statement_timeout', $1::pg_catalog.text, true)"
+/*
+ * The timeouts: $N, or the session's own where they are shorter.
+ */
+#define SQL_SET_TIMEOUTS(N) \
+	" pg_catalog.set_config('lock_timeout', CASE WHEN s.l = '0' OR" \
+	" s.l::pg_catalog.interval > ($" N "::pg_catalog.text)::pg_catalog.interval" \
+	" THEN $" N "::pg_catalog.text ELSE s.l END, true)," \
+	" pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0' OR" \
+	" s.st::pg_catalog.interval > ($" N "::pg_catalog.text)::pg_catalog.interval" \
+	" THEN $" N "::pg_catalog.text ELSE s.st END, true)" \
+	" FROM (SELECT pg_catalog.current_setting('lock_timeout') AS l," \
+	" pg_catalog.current_setting('statement_timeout') AS st) s"
+#define SQL_TIMEOUTS		"SELECT" SQL_SET_TIMEOUTS("1")
 #define SQL_CLOCK_TIMEOUTS \
 	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
-	" true), pg_catalog.set_config('lock_timeout', $2::pg_catalog.text, true)," \
-	" pg_catalog.set_config('statement_timeout', $2::pg_catalog.text, true)"
+	" true)," SQL_SET_TIMEOUTS("2")
 
 /* What a wait for a result ended on. */
 typedef enum GuardWait
@@ -517,7 +526,8 @@ run_command(PGconn *conn, const char *sql, int nparams,
 /*
  * Set, for the transaction begun on conn, the test clock offset (0: none)
  * and, with a deadline, lock_timeout and statement_timeout ending each
- * statement on the server GUARD_SERVER_END_MS before the deadline.
+ * statement on the server GUARD_SERVER_END_MS before the deadline (or
+ * sooner, by the session's own where they are shorter).
  */
 static bool
 set_locals(PGconn *conn, int clock_offset_s, const struct timespec *deadline,

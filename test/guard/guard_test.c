@@ -1396,6 +1396,39 @@ test_cancel_held(void)
 	proxy_stop(&px);
 }
 
+/*
+ * The session's own lock_timeout, shorter than the call's timeout, still
+ * ends the claim's wait for another session's uncommitted claim.
+ */
+static void
+test_session_timeout(void)
+{
+	char	   *short_lock = conninfo_with("options='-c lock_timeout=200ms'");
+	const char *open_claim[2] = {"session-timeout", SCOPE};
+	PGconn	   *conn = connect_or_die(short_lock);
+	PGconn	   *other = connect_or_die(conninfo);
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	PQclear(query(other, "BEGIN", 0, NULL));
+	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
+				  2, open_claim));
+	opts_init(&opts);
+	opts.timeout_ms = 600000;
+	ctx_init(&ctx);
+	run(conn, &opts, "session-timeout", "fp", &ctx, &res);
+	printf("session_timeout: outcome=%s failed=%s sqlstate=%s calls=%d conn=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls,
+		   PQstatus(conn) == CONNECTION_OK ? "ok" : "bad");
+	idem_result_clear(&res);
+	PQclear(query(other, "ROLLBACK", 0, NULL));
+	PQfinish(other);
+	PQfinish(conn);
+	free(short_lock);
+}
+
 /* The lock test's watcher: what it needs and what it found. */
 typedef struct LockWatch
 {
@@ -1708,6 +1741,7 @@ main(int argc, char **argv)
 	test_replay_failure(conn);
 	test_schema(conn);
 	test_cancel_held();
+	test_session_timeout();
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 	test_wait_for(conn);

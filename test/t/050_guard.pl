@@ -132,6 +132,10 @@ my @expected = (
 	# usable): no claim is made later for the call that gave up, and once
 	# the holder rolls back the next claimant gets the key at once.
 	[ cancel_held => 'outcome=UNAVAILABLE failed=begin message=statement timed out after 300 ms calls=0 cancel_sent=yes returned_while_held=yes conn=ok wait_ended=yes next_claimed=t state=NONE' ],
+	# The server-side bound never loosens the session's own: a
+	# lock_timeout of 200 ms ends a claim's wait although the call's
+	# timeout is ten minutes.
+	[ session_timeout => 'outcome=UNAVAILABLE failed=begin sqlstate=55P03 calls=0 conn=ok' ],
 	# Stopping the heartbeat does not wait for its idem_extend, which waits
 	# for the key's row, held FOR UPDATE by another session for up to 30 s:
 	# the extend is cancelled, the guard goes on to complete, and the

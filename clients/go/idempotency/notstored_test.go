@@ -274,10 +274,36 @@ func abandonedCase(t *testing.T, tx bool) {
 	}
 }
 
+// A session's own lock_timeout shorter than the deadline still ends the
+// wait: the deadline never loosens it.
+func TestSessionTimeoutKept(t *testing.T) {
+	pool := newPool(t, dsn(), map[string]string{"lock_timeout": "200ms"}, false)
+	store := NewPostgresStore(pool)
+	store.Scope = newScope(t)
+	holder, err := testPool.Begin(bg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(bg)
+	var claimed bool
+	if err := holder.QueryRow(bg, `SELECT claimed FROM public.idem_begin($1::text, $2::text, NULL::interval,
+		NULL::interval, $3::text, true)`, "lt-1", "fp", store.Scope).Scan(&claimed); err != nil || !claimed {
+		t.Fatalf("holder claim: %v %v", claimed, err)
+	}
+	ctx, cancel := context.WithTimeout(bg, time.Hour)
+	defer cancel()
+	_, _, err = store.Begin(ctx, "lt-1", "fp", time.Now(), time.Minute, time.Hour)
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) || pg.Code != "55P03" {
+		t.Fatalf("begin: %v, want the session's lock_timeout (55P03)", err)
+	}
+}
+
 // DoTx bounds its claim's wait, then gives the handler the transaction's
 // own settings back.
 func TestDoTxKeepsTimeouts(t *testing.T) {
-	pool := newPool(t, dsn(), map[string]string{"statement_timeout": "123s", "lock_timeout": "45s"}, false)
+	// Longer than the deadline: the claim runs under the deadline's.
+	pool := newPool(t, dsn(), map[string]string{"statement_timeout": "2h", "lock_timeout": "3h"}, false)
 	store := NewPostgresStore(pool)
 	store.Scope = newScope(t)
 	g := &Guard{Store: store}
@@ -288,8 +314,24 @@ func TestDoTxKeepsTimeouts(t *testing.T) {
 		err := tx.QueryRow(ctx, "SELECT current_setting('statement_timeout') || '/' || current_setting('lock_timeout')").Scan(&settings)
 		return Response{Status: 200}, err
 	})
-	if out != Executed || err != nil || settings != "123s/45s" {
+	if out != Executed || err != nil || settings != "2h/3h" {
 		t.Fatalf("out=%s err=%v settings=%q", out, err, settings)
+	}
+	// A transaction of Do's own, for comparison, runs under the deadline's.
+	var during string
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(bg)
+	if err := store.setLocals(ctx, tx, time.Now()); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.QueryRow(ctx, "SELECT current_setting('statement_timeout') || '/' || current_setting('lock_timeout')").Scan(&during); err != nil {
+		t.Fatal(err)
+	}
+	if parts := strings.Split(during, "/"); len(parts) != 2 || parts[0] != parts[1] || !strings.HasSuffix(parts[0], "ms") {
+		t.Fatalf("settings under a deadline of an hour: %q", during)
 	}
 }
 

@@ -84,8 +84,14 @@ const (
 	sqlExtend   = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
 	sqlClock    = "SELECT pg_catalog.set_config('idem.clock_offset'," +
 		" pg_catalog.round(pg_catalog.date_part('epoch', $1::timestamptz - pg_catalog.clock_timestamp()))::bigint::text, true)"
-	sqlTimeouts = "SELECT pg_catalog.set_config('lock_timeout', $1::text, true)," +
-		" pg_catalog.set_config('statement_timeout', $1::text, true)"
+	// sqlTimeouts bounds the call's transaction by $1, or by the session's
+	// own lock_timeout and statement_timeout where they are shorter.
+	sqlTimeouts = "SELECT pg_catalog.set_config('lock_timeout', CASE WHEN s.l = '0'" +
+		" OR s.l::interval > ($1::text)::interval THEN $1::text ELSE s.l END, true)," +
+		" pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0'" +
+		" OR s.st::interval > ($1::text)::interval THEN $1::text ELSE s.st END, true)" +
+		" FROM (SELECT pg_catalog.current_setting('lock_timeout') AS l," +
+		" pg_catalog.current_setting('statement_timeout') AS st) s"
 	// sqlSaveTimeouts and sqlRestoreTimeouts keep DoTx's handler's
 	// statements under the settings its transaction had.
 	sqlSaveTimeouts    = "SELECT pg_catalog.current_setting('lock_timeout'), pg_catalog.current_setting('statement_timeout')"
