@@ -42,10 +42,29 @@
 /* Longest wait between two looks at a stop request. */
 #define STOP_SLICE_MS			50
 
-/* Sets idem.clock_offset for the current transaction only. */
+/*
+ * Set idem.clock_offset, the timeouts, or both, for the current
+ * transaction only.
+ */
 #define SQL_CLOCK \
 	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
 	" true)"
+/*
+ * The timeouts: $N, or the session's own where they are shorter.
+ */
+#define SQL_SET_TIMEOUTS(N) \
+	" pg_catalog.set_config('lock_timeout', CASE WHEN s.l = '0' OR" \
+	" s.l::pg_catalog.interval > ($" N "::pg_catalog.text)::pg_catalog.interval" \
+	" THEN $" N "::pg_catalog.text ELSE s.l END, true)," \
+	" pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0' OR" \
+	" s.st::pg_catalog.interval > ($" N "::pg_catalog.text)::pg_catalog.interval" \
+	" THEN $" N "::pg_catalog.text ELSE s.st END, true)" \
+	" FROM (SELECT pg_catalog.current_setting('lock_timeout') AS l," \
+	" pg_catalog.current_setting('statement_timeout') AS st) s"
+#define SQL_TIMEOUTS		"SELECT" SQL_SET_TIMEOUTS("1")
+#define SQL_CLOCK_TIMEOUTS \
+	"SELECT pg_catalog.set_config('idem.clock_offset', $1::pg_catalog.text," \
+	" true)," SQL_SET_TIMEOUTS("2")
 
 /* What a wait for a result ended on. */
 typedef enum GuardWait
@@ -505,11 +524,49 @@ run_command(PGconn *conn, const char *sql, int nparams,
 }
 
 /*
+ * Set, for the transaction begun on conn, the test clock offset (0: none)
+ * and, with a deadline, lock_timeout and statement_timeout ending each
+ * statement on the server GUARD_SERVER_END_MS before the deadline (or
+ * sooner, by the session's own where they are shorter).
+ */
+static bool
+set_locals(PGconn *conn, int clock_offset_s, const struct timespec *deadline,
+		   GuardStop *stop, GuardError *err)
+{
+	char		offset[16];
+	char		timeout[32];
+	const char *values[2];
+	long		ms;
+
+	snprintf(offset, sizeof(offset), "%d", clock_offset_s);
+	if (deadline == NULL)
+	{
+		values[0] = offset;
+		return run_command(conn, SQL_CLOCK, 1, values, deadline, stop, err);
+	}
+	/* 0 would be no timeout at all. */
+	ms = idem_guard_ms_until(deadline) - GUARD_SERVER_END_MS;
+	snprintf(timeout, sizeof(timeout), "%ldms", ms > 0 ? ms : 1);
+	if (clock_offset_s == 0)
+	{
+		values[0] = timeout;
+		return run_command(conn, SQL_TIMEOUTS, 1, values, deadline, stop, err);
+	}
+	values[0] = offset;
+	values[1] = timeout;
+	return run_command(conn, SQL_CLOCK_TIMEOUTS, 2, values, deadline, stop, err);
+}
+
+/*
  * Run one statement in its own transaction, within the deadline (NULL:
- * none) and until stop is requested (NULL: never): as a single statement,
- * or, with a test clock offset, between BEGIN and COMMIT after setting
- * idem.clock_offset for that transaction only.  Returns the result or
- * NULL with *err set; *uncertain as for run_statement (with an offset: the
+ * none) and until stop is requested (NULL: never): as a single statement
+ * when there is neither a deadline nor a test clock offset, otherwise
+ * between BEGIN and COMMIT after setting, for that transaction only,
+ * idem.clock_offset and the timeouts that end the statement on the server
+ * before the deadline (set_locals).  A statement the client gave up on is
+ * thus ended by the server even if the cancel request never reaches it,
+ * and whatever it did is never committed.  Returns the result or NULL
+ * with *err set; *uncertain as for run_statement (in a transaction: the
  * statement answered but its COMMIT did not).  err->timed_out tells a
  * statement cut by the deadline.  Nothing is sent once stop is requested.
  */
@@ -519,8 +576,6 @@ idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 				GuardError *err, bool *uncertain)
 {
 	PGresult   *res;
-	char		offset[16];
-	const char *clock_values[1];
 	GuardError	ignored;
 
 	*uncertain = false;
@@ -541,14 +596,12 @@ idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 		idem_guard_error(err, "statement stopped");
 		return NULL;
 	}
-	if (clock_offset_s == 0)
+	if (clock_offset_s == 0 && deadline == NULL)
 		return run_statement(conn, st, deadline, stop, err, uncertain);
 
-	snprintf(offset, sizeof(offset), "%d", clock_offset_s);
-	clock_values[0] = offset;
 	if (!run_command(conn, "BEGIN", 0, NULL, deadline, stop, err))
 		return NULL;
-	if (run_command(conn, SQL_CLOCK, 1, clock_values, deadline, stop, err))
+	if (set_locals(conn, clock_offset_s, deadline, stop, err))
 	{
 		res = run_statement(conn, st, deadline, stop, err, uncertain);
 		if (res != NULL && !*uncertain)

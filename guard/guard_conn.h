@@ -7,7 +7,8 @@
  * A deadline is a CLOCK_MONOTONIC time; NULL means none.  A statement
  * gets its answer until GUARD_CANCEL_GRACE_MS before its deadline; then
  * it is cancelled, and a connection whose statement has not ended by the
- * deadline is shut down, so that it reports itself broken.
+ * deadline is shut down, so that it reports itself broken.  The server
+ * ends the statement GUARD_SERVER_END_MS before the deadline by itself.
  *
  *-------------------------------------------------------------------------
  */
@@ -22,6 +23,15 @@
 
 /* How long a cancel and the end of the statement it stops may take. */
 #define GUARD_CANCEL_GRACE_MS	1000
+
+/*
+ * How long before its deadline a statement is ended by the server on its
+ * own (lock_timeout and statement_timeout): after the client's cancel, so
+ * that the cancel normally ends it, and before the client gives the
+ * connection up, so that a cancel that never arrives cannot leave the
+ * statement running for a client that has gone.
+ */
+#define GUARD_SERVER_END_MS		(GUARD_CANCEL_GRACE_MS / 2)
 
 /* Why a server call failed. */
 typedef struct GuardError

@@ -20,8 +20,17 @@
  * error or a lost connection after the answer) is released, as far as the
  * connection allows, and the outcome is UNAVAILABLE.  After the handler
  * ran, the response is stored with the claim's fencing token; if that
- * fails the outcome stays EXECUTED, the failure is reported and the key
- * stays PROCESSING until its lease ends.
+ * fails the outcome stays EXECUTED and the failure is reported.  A failure
+ * that a retry of the same call may not see (a lost connection, a
+ * timeout, a serialization failure or deadlock, a shutdown, a lack of
+ * resources) or a claim that is no longer ours leaves the key PROCESSING
+ * until its lease ends; any other (the server refused the response: a
+ * data error) stores IDEM_NOT_STORED_BODY with status 500 in its place,
+ * so that the key is never claimable again once the handler ran.
+ *
+ * With a timeout, each call runs in a short transaction that ends it on
+ * the server too (guard_conn.c): a claim waiting for another one is never
+ * made, let alone committed, for a call the client gave up on.
  *
  * The claim is read in binary format: bodies arrive as their bytes, with
  * no escaping, and a body that cannot be copied (out of memory) is a
@@ -75,6 +84,15 @@
 #define SQL_EXTEND \
 	"SELECT %s.idem_extend($1::pg_catalog.text, $2::pg_catalog.int8," \
 	" $3::pg_catalog.interval, $4::pg_catalog.text)"
+
+/* The functions the statements call, as a missing one is named. */
+#define FN_BEGIN \
+	"idem_begin(text, text, interval, interval, text, boolean)"
+#define FN_BEGIN_WAIT \
+	"idem_begin(text, text, interval, interval, text, boolean, interval)"
+#define FN_COMPLETE \
+	"idem_complete(text, text, integer, bytea, bigint, interval, text)"
+#define FN_RELEASE	"idem_release(text, bigint, text)"
 
 /* Room for a statement with its schema. */
 #define SQL_LEN					1024
@@ -181,6 +199,25 @@ call_exec(const GuardCall *gc, const char *sql_fmt, int nparams,
 		return NULL;
 	}
 	return res;
+}
+
+/*
+ * Name the function and schema a call looked for when the server found
+ * either missing (42883, 3F000), and point at the schema option.
+ */
+static void
+name_missing(const GuardCall *gc, const char *function, GuardError *err)
+{
+	bool		no_schema = strcmp(err->sqlstate, "3F000") == 0;
+
+	if (!no_schema && strcmp(err->sqlstate, "42883") != 0)
+		return;
+	snprintf(err->message, sizeof(err->message),
+			 "%s %.64s.%.68s not found; set IdemGuardOptions.schema to the"
+			 " schema of CREATE EXTENSION idem%s",
+			 no_schema ? "schema of" : "function", gc->schema, function,
+			 strcmp(function, FN_BEGIN_WAIT) == 0 ?
+			 " (wait_for needs idem 1.4)" : "");
 }
 
 /* Record a failed step in the result. */
@@ -425,7 +462,10 @@ release_claim(const GuardCall *gc, GuardError *err)
 	values[2] = gc->scope;
 	res = call_exec(gc, SQL_RELEASE, 3, values, NULL, NULL, err);
 	if (res == NULL)
+	{
+		name_missing(gc, FN_RELEASE, err);
 		return false;
+	}
 	released = PQntuples(res) == 1 && strcmp(PQgetvalue(res, 0, 0), "t") == 0;
 	if (!released)
 		idem_guard_error(err, "idem_release found no claim to release");
@@ -457,9 +497,64 @@ complete_claim(const GuardCall *gc, const IdemResponse *resp,
 	values[6] = gc->scope;
 	res = call_exec(gc, SQL_COMPLETE, 7, values, lengths, formats, err);
 	if (res == NULL)
+	{
+		name_missing(gc, FN_COMPLETE, err);
 		return false;
+	}
 	PQclear(res);
 	return true;
+}
+
+/*
+ * True if a failed idem_complete refused the response for good, so that
+ * the fixed 500 is stored in its place.  Not for a failure without a
+ * SQLSTATE (connection lost, timeout, injected fault), a connection
+ * failure (class 08), a serialization failure or deadlock, a lock or
+ * statement timeout or cancel, a shutdown, a lack of resources (class 53):
+ * the same call may yet succeed; nor for a key that is no longer this
+ * claim's (ID002, ID003, 42501) or is completed already (ID004).
+ */
+static bool
+response_refused(const GuardError *err)
+{
+	static const char *const keep[] = {
+		"40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03",
+		"ID002", "ID003", "ID004", "42501"
+	};
+	size_t		i;
+
+	if (err->sqlstate[0] == '\0' || strncmp(err->sqlstate, "08", 2) == 0 ||
+		strncmp(err->sqlstate, "53", 2) == 0)
+		return false;
+	for (i = 0; i < sizeof(keep) / sizeof(keep[0]); i++)
+		if (strcmp(err->sqlstate, keep[i]) == 0)
+			return false;
+	return true;
+}
+
+/*
+ * The server refused the response (err): store the fixed 500 in its
+ * place, and report both, with the key, in res.
+ */
+static void
+store_not_stored(const GuardCall *gc, const GuardError *err, IdemResult *res)
+{
+	IdemResponse fixed = {IDEM_NOT_STORED_STATUS,
+		(unsigned char *) IDEM_NOT_STORED_BODY, strlen(IDEM_NOT_STORED_BODY)};
+	GuardError	ferr;
+
+	fail_step(res, IDEM_STEP_COMPLETE, err);
+	res->not_stored = complete_claim(gc, &fixed, &ferr);
+	if (res->not_stored)
+		snprintf(res->message, sizeof(res->message),
+				 "response to key \"%.64s\" not stored (%.100s); 500"
+				 " \"Response not stored\" stored in its place",
+				 gc->key, err->message);
+	else
+		snprintf(res->message, sizeof(res->message),
+				 "response to key \"%.48s\" not stored (%.64s), nor 500"
+				 " \"Response not stored\" in its place (%.64s)",
+				 gc->key, err->message, ferr.message);
 }
 
 /* A binary boolean of the claim row; false if NULL or malformed. */
@@ -607,6 +702,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 						 gc->opts->clock_offset_s, NULL, &err, &uncertain);
 	if (row == NULL)
 	{
+		name_missing(gc, st.nparams == 7 ? FN_BEGIN_WAIT : FN_BEGIN, &err);
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -736,7 +832,11 @@ guard_finish(GuardCall *gc, int herr, IdemResult *res)
 		return;
 	}
 
-	if (!complete_claim(gc, &res->resp, &err))
+	if (complete_claim(gc, &res->resp, &err))
+		return;
+	if (response_refused(&err))
+		store_not_stored(gc, &err, res);
+	else
 		fail_step(res, IDEM_STEP_COMPLETE, &err);
 }
 

@@ -46,10 +46,23 @@ typedef enum IdemStep
 	IDEM_STEP_BEGIN,			/* claim failed: outcome UNAVAILABLE */
 	IDEM_STEP_HEARTBEAT,		/* heartbeat connection failed: UNAVAILABLE */
 	IDEM_STEP_HANDLER,			/* handler returned an error */
-	IDEM_STEP_COMPLETE,			/* response not stored: key stays PROCESSING */
+	IDEM_STEP_COMPLETE,			/* response not stored: key stays PROCESSING,
+								 * or (not_stored) holds the fixed 500 */
 	IDEM_STEP_REPLAY			/* stored response could not be copied (out
 								 * of memory): outcome UNAVAILABLE */
 } IdemStep;
+
+/*
+ * What is stored in place of a response that the server refused for good
+ * (a data error, not a lost connection, a timeout or a lost claim), and
+ * replayed to every retry: the server's answer to a body larger than
+ * idem.max_body_size, with this detail (doc/http.md).
+ */
+#define IDEM_NOT_STORED_STATUS	500
+#define IDEM_NOT_STORED_BODY \
+	"{\"type\":\"about:blank\",\"title\":\"Response not stored\",\"status\":500," \
+	"\"detail\":\"The response to the first request with this key could not be" \
+	" stored; it was sent then and is not replayed.\"}"
 
 /* A response: status and body (malloc'd, may be NULL). */
 typedef struct IdemResponse
@@ -98,7 +111,11 @@ typedef struct IdemGuardOptions
 	bool		keep_claim_on_error;	/* handler error: leave the key to
 										 * the lease (Go) instead of
 										 * idem_release */
-	int			timeout_ms;		/* per statement; 0: none */
+	int			timeout_ms;		/* per statement; 0: none.  The server ends a
+								 * statement soon after too (lock_timeout,
+								 * statement_timeout), in a transaction of
+								 * its own: a call the client gave up on
+								 * never claims the key later */
 	const char *heartbeat_conninfo;	/* non-NULL: extend the lease every
 									 * third of it on this connection; a
 									 * lost connection is re-made within
@@ -135,6 +152,10 @@ typedef struct IdemResult
 								 * not confirmed */
 	bool		superseded;		/* heartbeat found the token superseded */
 	int			extends;		/* successful heartbeats */
+	bool		not_stored;		/* the server refused the response for good:
+								 * IDEM_NOT_STORED_BODY was stored in its
+								 * place (failed is COMPLETE, sqlstate and
+								 * message tell why, with the key) */
 } IdemResult;
 
 /* A fault hook argument that fails op (NULL: any op) the next n times. */

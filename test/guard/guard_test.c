@@ -571,6 +571,51 @@ test_complete_failures(void)
 }
 
 /*
+ * The server refuses the handler's response for good (a negative status,
+ * 22023): the fixed 500 is stored in its place, the result says so with
+ * the key, and a retry replays the 500 without running the handler.
+ */
+static void
+test_not_stored(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	const char *values[3] = {SCOPE, "not-stored", IDEM_NOT_STORED_BODY};
+	char	   *stored;
+	int			i;
+
+	opts_init(&opts);
+	opts.timeout_ms = 10000;
+	ctx_init(&ctx);
+	ctx.status = -1;
+	run(conn, &opts, "not-stored", "fp", &ctx, &res);
+	stored = query_value(admin, "SELECT status || '/' ||"
+						 " (convert_from(body, 'UTF8') = $3)::text"
+						 " FROM idem.keys WHERE scope = $1 AND key = $2",
+						 3, values);
+	printf("not_stored: outcome=%s failed=%s sqlstate=%s not_stored=%s names_key=%s status=%d calls=%d stored=%s/%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, res.not_stored ? "yes" : "no",
+		   strstr(res.message, "\"not-stored\"") ? "yes" : "no",
+		   res.resp.status, ctx.calls, key_state("not-stored"), stored);
+	free(stored);
+	idem_result_clear(&res);
+
+	for (i = 0; i < 2; i++)
+	{
+		run(conn, &opts, "not-stored", "fp", &ctx, &res);
+		printf("not_stored_retry%d: outcome=%s failed=%s calls=%d status=%d body=%s\n",
+			   i + 1, idem_outcome_name(res.outcome),
+			   idem_step_name(res.failed), ctx.calls, res.resp.status,
+			   res.resp.body_len == strlen(IDEM_NOT_STORED_BODY) &&
+			   memcmp(res.resp.body, IDEM_NOT_STORED_BODY,
+					  res.resp.body_len) == 0 ? "fixed" : "other");
+		idem_result_clear(&res);
+	}
+}
+
+/*
  * "during" step: wait until the first lease is over by the server's
  * clock, check that the heartbeat has moved the lease beyond now, then at
  * once let another caller try the key.
@@ -962,9 +1007,18 @@ test_schema(PGconn *conn)
 
 	opts.schema = "nosuch";
 	run(conn, &opts, "no-schema", "fp", &ctx, &res);
-	printf("schema_missing: outcome=%s failed=%s sqlstate=%s calls=%d state=%s\n",
+	printf("schema_missing: outcome=%s failed=%s sqlstate=%s message=%s calls=%d state=%s\n",
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
-		   res.sqlstate, ctx.calls, key_state("no-schema"));
+		   res.sqlstate, res.message, ctx.calls, key_state("no-schema"));
+	idem_result_clear(&res);
+
+	/* A schema without idem: the function is missing, named with wait_for. */
+	opts.schema = "pg_catalog";
+	opts.wait_for_ms = 1000;
+	run(conn, &opts, "no-function", "fp", &ctx, &res);
+	printf("function_missing: outcome=%s failed=%s sqlstate=%s message=%s calls=%d state=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, res.message, ctx.calls, key_state("no-function"));
 	idem_result_clear(&res);
 
 	snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", user);
@@ -1265,8 +1319,11 @@ proxy_stop(Proxy *px)
  * A cancel is bounded by the deadline: the guard's connection goes through
  * the proxy, which holds cancel requests, and its claim waits for another
  * session's uncommitted claim.  The client timeout cancels it; the guard
- * gives the connection up and returns while the request is still held
- * (libpq's PQcancel would block until the proxy lets it go).
+ * returns while the request is still held (libpq's PQcancel would block
+ * until the proxy lets it go).  The server ends the claim's wait by
+ * itself, before the guard would give the connection up: the backend no
+ * longer waits while the holder still holds the key, and once the holder
+ * rolls back, the next claimant gets the key at once.
  */
 static void
 test_cancel_held(void)
@@ -1279,9 +1336,12 @@ test_cancel_held(void)
 	IdemGuardOptions opts;
 	IdemResult	res;
 	Ctx			ctx;
-	int			pid;
+	char		pidtext[16];
+	const char *pid_value[1] = {pidtext};
+	char	   *next;
 	int			let_go;
 	bool		conn_ok;
+	bool		wait_ended = false;
 	int			i;
 
 	proxy_start(&px);
@@ -1289,7 +1349,7 @@ test_cancel_held(void)
 			 "host=127.0.0.1 port=%d dbname=%s user=%s sslmode=disable"
 			 " gssencmode=disable", px.port, PQdb(admin), PQuser(admin));
 	conn = connect_or_die(proxied);
-	pid = PQbackendPID(conn);
+	snprintf(pidtext, sizeof(pidtext), "%d", PQbackendPID(conn));
 	other = connect_or_die(conninfo);
 	PQclear(query(other, "BEGIN", 0, NULL));
 	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
@@ -1305,19 +1365,68 @@ test_cancel_held(void)
 	for (i = 0; i < POLL_LIMIT && atomic_load(&px.cancels) == 0; i++)
 		sleep_ms(10);
 
-	/* The claim still waits on the server: end it, then its blocker. */
-	terminate(pid);
+	/* Nothing but the server's own timeout can end the claim's wait. */
+	for (i = 0; i < POLL_LIMIT && !wait_ended; i++)
+	{
+		char	   *n = query_value(admin, "SELECT count(*) FROM pg_stat_activity"
+									" WHERE pid = $1::integer AND state = 'active'",
+									1, pid_value);
+
+		wait_ended = strcmp(n, "0") == 0;
+		free(n);
+		if (!wait_ended)
+			sleep_ms(10);
+	}
 	PQclear(query(other, "ROLLBACK", 0, NULL));
-	printf("cancel_held: outcome=%s failed=%s message=%s calls=%d cancel_sent=%s returned_while_held=%s conn=%s state=%s\n",
+	/* The next claimant gets the key at once (and gives it back). */
+	PQclear(query(admin, "BEGIN", 0, NULL));
+	next = query_value(admin, "SELECT claimed FROM idem_begin($1, 'fp',"
+					   " scope => $2, wait => false)", 2, open_claim);
+	PQclear(query(admin, "ROLLBACK", 0, NULL));
+	printf("cancel_held: outcome=%s failed=%s message=%s calls=%d cancel_sent=%s returned_while_held=%s conn=%s wait_ended=%s next_claimed=%s state=%s\n",
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
 		   res.message, ctx.calls,
 		   atomic_load(&px.cancels) > 0 ? "yes" : "no",
 		   let_go == 0 ? "yes" : "no", conn_ok ? "ok" : "bad",
-		   key_state("cancel-held"));
+		   wait_ended ? "yes" : "no", next, key_state("cancel-held"));
+	free(next);
 	idem_result_clear(&res);
 	PQfinish(other);
 	PQfinish(conn);
 	proxy_stop(&px);
+}
+
+/*
+ * The session's own lock_timeout, shorter than the call's timeout, still
+ * ends the claim's wait for another session's uncommitted claim.
+ */
+static void
+test_session_timeout(void)
+{
+	char	   *short_lock = conninfo_with("options='-c lock_timeout=200ms'");
+	const char *open_claim[2] = {"session-timeout", SCOPE};
+	PGconn	   *conn = connect_or_die(short_lock);
+	PGconn	   *other = connect_or_die(conninfo);
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+
+	PQclear(query(other, "BEGIN", 0, NULL));
+	PQclear(query(other, "SELECT * FROM idem_begin($1, 'fp', scope => $2)",
+				  2, open_claim));
+	opts_init(&opts);
+	opts.timeout_ms = 600000;
+	ctx_init(&ctx);
+	run(conn, &opts, "session-timeout", "fp", &ctx, &res);
+	printf("session_timeout: outcome=%s failed=%s sqlstate=%s calls=%d conn=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls,
+		   PQstatus(conn) == CONNECTION_OK ? "ok" : "bad");
+	idem_result_clear(&res);
+	PQclear(query(other, "ROLLBACK", 0, NULL));
+	PQfinish(other);
+	PQfinish(conn);
+	free(short_lock);
 }
 
 /* The lock test's watcher: what it needs and what it found. */
@@ -1623,6 +1732,7 @@ main(int argc, char **argv)
 	test_unavailable();
 	test_faults(conn);
 	test_complete_failures();
+	test_not_stored(conn);
 	test_heartbeat(conn);
 	test_scope_and_window(conn);
 	test_threads();
@@ -1631,6 +1741,7 @@ main(int argc, char **argv)
 	test_replay_failure(conn);
 	test_schema(conn);
 	test_cancel_held();
+	test_session_timeout();
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 	test_wait_for(conn);

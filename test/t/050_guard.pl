@@ -1,9 +1,11 @@
 # The client guard (guard/idem_guard.c) against a live server: every
 # outcome, a fault at each step (begin, handler, complete, release,
-# replay), the heartbeat (with the server's default lease, re-connecting
+# replay), a response the server refuses (the fixed 500 stored in its
+# place), the heartbeat (with the server's default lease, re-connecting
 # to a host that never answers, and stopped while its extend waits for a
 # row lock), a superseded token, eight threads on one key, schema-qualified
-# calls, a timeout after the claim committed, and a cancel held by a proxy.
+# calls (a missing schema or function named), a timeout after the claim
+# committed, and a cancel held by a proxy (the server ends the wait).
 # The test program test/guard/guard_test prints one line per case; each
 # line must be exactly as listed here.
 use strict;
@@ -85,6 +87,13 @@ my @expected = (
 	# Complete fails for real: connection lost, token superseded.
 	[ complete_lost => 'outcome=EXECUTED failed=complete status=201 calls=1 state=PROCESSING' ],
 	[ superseded => 'outcome=EXECUTED failed=complete sqlstate=ID002 taken_over=yes token_changed=yes state=PROCESSING' ],
+	# The server refuses the response for good (status -1, 22023): the
+	# fixed 500 "Response not stored" is stored in its place, the result
+	# says so with the key, and retries replay it without running the
+	# handler.
+	[ not_stored => 'outcome=EXECUTED failed=complete sqlstate=22023 not_stored=yes names_key=yes status=-1 calls=1 stored=DONE/500/true' ],
+	[ not_stored_retry1 => 'outcome=REPLAYED failed=none calls=1 status=500 body=fixed' ],
+	[ not_stored_retry2 => 'outcome=REPLAYED failed=none calls=1 status=500 body=fixed' ],
 	# The heartbeat keeps a 6 s lease alive past its first end (another
 	# caller finds the key in flight), and stops when the token is
 	# superseded, which makes complete fail.
@@ -107,19 +116,26 @@ my @expected = (
 	[ replay_out_of_memory => 'outcome=UNAVAILABLE failed=replay message=out of memory copying the stored response calls=1 body=none' ],
 	[ replay_after_failure => 'outcome=REPLAYED failed=none status=201 body=created' ],
 	# Calls are schema-qualified with exact argument types: a look-alike
-	# idem_begin in the "$user" schema is not called; a missing schema is
-	# a failed claim.
+	# idem_begin in the "$user" schema is not called; a missing schema or
+	# function is a failed claim that names what it looked for.
 	[ user_schema => 'outcome=EXECUTED failed=none fake_token=no calls=1 state=DONE' ],
-	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 calls=1 state=NONE' ],
+	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 message=schema of "nosuch".idem_begin(text, text, interval, interval, text, boolean) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem calls=1 state=NONE' ],
+	[ function_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 message=function "pg_catalog".idem_begin(text, text, interval, interval, text, boolean, interval) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem (wait_for needs idem 1.4) calls=1 state=NONE' ],
 	# The client timeout fires after the claim (and the response) committed
 	# locally, while the commit waits for a synchronous standby: the claim
 	# is used, not thrown away.
 	[ timeout_after_commit => 'outcome=EXECUTED failed=none calls=1 state=DONE' ],
 	# A cancel is bounded by the statement's deadline: the guard's
 	# connection goes through a proxy that holds cancel requests for 30 s,
-	# and the guard gives the connection up and returns while the request
-	# is still held.
-	[ cancel_held => 'outcome=UNAVAILABLE failed=begin message=statement timed out after 300 ms calls=0 cancel_sent=yes returned_while_held=yes conn=bad state=NONE' ],
+	# and the guard returns while the request is still held.  The server
+	# ends the claim's wait by its own timeout (the connection stays
+	# usable): no claim is made later for the call that gave up, and once
+	# the holder rolls back the next claimant gets the key at once.
+	[ cancel_held => 'outcome=UNAVAILABLE failed=begin message=statement timed out after 300 ms calls=0 cancel_sent=yes returned_while_held=yes conn=ok wait_ended=yes next_claimed=t state=NONE' ],
+	# The server-side bound never loosens the session's own: a
+	# lock_timeout of 200 ms ends a claim's wait although the call's
+	# timeout is ten minutes.
+	[ session_timeout => 'outcome=UNAVAILABLE failed=begin sqlstate=55P03 calls=0 conn=ok' ],
 	# Stopping the heartbeat does not wait for its idem_extend, which waits
 	# for the key's row, held FOR UPDATE by another session for up to 30 s:
 	# the extend is cancelled, the guard goes on to complete, and the

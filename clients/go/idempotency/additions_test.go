@@ -481,7 +481,7 @@ func TestUnavailable(t *testing.T) {
 		var calls atomic.Int32
 		start := time.Now()
 		_, out, err := g.Do(bg, "down-1", "fp", okHandler(&calls))
-		if out != Unavailable || err != ErrUnavailable || calls.Load() != 0 || time.Since(start) > 5*time.Second {
+		if out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 || time.Since(start) > 5*time.Second {
 			t.Fatalf("out=%s err=%v calls=%d after %v", out, err, calls.Load(), time.Since(start))
 		}
 	})
@@ -496,7 +496,7 @@ func TestUnavailable(t *testing.T) {
 		}
 		g := &Guard{Store: store, Lease: time.Second, Retention: time.Hour}
 		var calls atomic.Int32
-		if _, out, err := g.Do(bg, "ro-1", "fp", okHandler(&calls)); out != Unavailable || err != ErrUnavailable || calls.Load() != 0 {
+		if _, out, err := g.Do(bg, "ro-1", "fp", okHandler(&calls)); out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 {
 			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
 		if st := lookup(t, store.Scope, "ro-1"); st.found {
@@ -509,7 +509,7 @@ func TestUnavailable(t *testing.T) {
 		store.Schema = "no_such_schema"
 		g := &Guard{Store: store, Lease: time.Second, Retention: time.Hour}
 		var calls atomic.Int32
-		if _, out, err := g.Do(bg, "sch-1", "fp", okHandler(&calls)); out != Unavailable || err != ErrUnavailable || calls.Load() != 0 {
+		if _, out, err := g.Do(bg, "sch-1", "fp", okHandler(&calls)); out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 {
 			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
 	})
@@ -593,7 +593,7 @@ func timeoutCase(t *testing.T, storeTimeout bool) {
 		t.Fatalf("the claim still waits %v after its timeout", 30*time.Second)
 	}
 	// Cut off by the timeout, not sooner, and not by anything much later.
-	if r.out != Unavailable || r.err != ErrUnavailable || calls.Load() != 0 || r.d < timeout*9/10 || r.d > timeout+5*time.Second {
+	if r.out != Unavailable || !errors.Is(r.err, ErrUnavailable) || calls.Load() != 0 || r.d < timeout*9/10 || r.d > timeout+5*time.Second {
 		t.Fatalf("out=%s err=%v calls=%d after %v (timeout %v)", r.out, r.err, calls.Load(), r.d, timeout)
 	}
 	if !waitFor(30*time.Second, func() bool { return waitingBackends(t) == 0 }) {
@@ -657,7 +657,7 @@ func TestLostCommitLeavesNoClaim(t *testing.T) {
 	store.commitLost = func() bool { return lost }
 	g := &Guard{Store: store, Lease: time.Minute, Retention: time.Hour}
 	var calls atomic.Int32
-	if _, out, err := g.Do(bg, "lost-1", "fp", okHandler(&calls)); out != Unavailable || err != ErrUnavailable || calls.Load() != 0 {
+	if _, out, err := g.Do(bg, "lost-1", "fp", okHandler(&calls)); out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 {
 		t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 	}
 	// The claim did commit; the store released it, so the key is free now

@@ -2,11 +2,92 @@ package idempotency
 
 import (
 	"errors"
+	"fmt"
+	"strings"
 
 	"github.com/jackc/pgconn"
 )
 
 var ErrUnavailable = errors.New("idempotency store unavailable")
+
+// unavailableError is Do's error when no claim could be made: it matches
+// ErrUnavailable and carries the store's error.
+type unavailableError struct{ err error }
+
+func (e *unavailableError) Error() string        { return ErrUnavailable.Error() + ": " + e.err.Error() }
+func (e *unavailableError) Is(target error) bool { return target == ErrUnavailable }
+func (e *unavailableError) Unwrap() error        { return e.err }
+
+// unavailable wraps a failed claim's error so that it matches
+// ErrUnavailable; the store's error stays reachable with errors.As.
+func unavailable(err error) error { return &unavailableError{err: err} }
+
+// ErrNotStored matches the error of a Do whose handler ran but whose
+// response the store refused for good: NotStoredResponse is stored in its
+// place (see NotStoredError).
+var ErrNotStored = errors.New("idempotency response not stored")
+
+// NotStoredStatus and NotStoredBody make the answer stored in place of a
+// response that could not be stored, and replayed to every retry: the
+// server's answer to a body larger than idem.max_body_size, with this
+// detail (doc/http.md).
+const (
+	NotStoredStatus = 500
+	NotStoredBody   = `{"type":"about:blank","title":"Response not stored","status":500,` +
+		`"detail":"The response to the first request with this key could not be stored; it was sent then and is not replayed."}`
+)
+
+// NotStoredResponse is the answer stored in place of a response that
+// could not be stored.
+func NotStoredResponse() Response {
+	return Response{Status: NotStoredStatus, Body: []byte(NotStoredBody)}
+}
+
+// NotStoredError is Do's error when the handler ran but the store refused
+// its response for a reason that a retry of the same complete cannot fix
+// (a data error, say): NotStoredResponse was stored in its place, so the
+// key is done and a retry replays the 500 instead of running the handler
+// again.  It matches ErrNotStored; Err is the refused complete's error.
+type NotStoredError struct {
+	Key string
+	Err error
+}
+
+func (e *NotStoredError) Error() string {
+	return fmt.Sprintf("idempotency: response to key %q not stored (%v); %d %q stored in its place",
+		e.Key, e.Err, NotStoredStatus, "Response not stored")
+}
+
+func (e *NotStoredError) Is(target error) bool { return target == ErrNotStored }
+
+// Unwrap returns the refused complete's error.
+func (e *NotStoredError) Unwrap() error { return e.Err }
+
+// notStorable tells whether a failed Complete refused the response for
+// good, so that Do stores NotStoredResponse in its place.  It does not for
+// an error without a SQLSTATE (a lost connection, a timeout, a fault hook,
+// MemoryStore's errors), a connection failure (class 08), a serialization
+// failure or deadlock (40001, 40P01), a lock or statement timeout or
+// cancel (55P03, 57014), a shutdown (57P01 to 57P03) or a lack of
+// resources (class 53), after which the same complete may succeed, nor
+// for a key that is no longer this claim's (ID002, ID003, 42501) or is
+// completed already (ID004).
+func notStorable(err error) bool {
+	var pg *pgconn.PgError
+	if !errors.As(err, &pg) {
+		return false
+	}
+	switch {
+	case strings.HasPrefix(pg.Code, "08"), strings.HasPrefix(pg.Code, "53"):
+		return false
+	}
+	switch pg.Code {
+	case "40001", "40P01", "55P03", "57014", "57P01", "57P02", "57P03",
+		"ID002", "ID003", "ID004", "42501":
+		return false
+	}
+	return true
+}
 
 // Errors of idem's SQLSTATEs.  The server's errors are *Error values that
 // match these with errors.Is (and *pgconn.PgError with errors.As);
@@ -28,7 +109,7 @@ var (
 
 // Error is an error idem raised, with its SQLSTATE.
 type Error struct {
-	Code    string // SQLSTATE: ID001, ID002, ID003 or ID004
+	Code    string // SQLSTATE: ID001, ID002, ID003, ID004; 42883 or 3F000 for a missing function or schema
 	Message string
 	Err     *pgconn.PgError
 }
@@ -70,4 +151,26 @@ func mapError(err error) error {
 		return &Error{Code: pg.Code, Message: pg.Message, Err: pg}
 	}
 	return err
+}
+
+// missingError turns a missing function (42883) or schema (3F000) into
+// *Error naming the function and schema looked for; other errors are
+// mapError's.  schema is quoted; fn is the function with its argument
+// types.
+func missingError(err error, schema, fn string) error {
+	var pg *pgconn.PgError
+	if err == nil || !errors.As(err, &pg) || (pg.Code != "42883" && pg.Code != "3F000") {
+		return mapError(err)
+	}
+	what := "function"
+	if pg.Code == "3F000" {
+		what = "schema of function"
+	}
+	msg := fmt.Sprintf("%s %s.%s not found (%s): is the idem extension installed in schema %s? "+
+		"Set PostgresStore.Schema to the schema of CREATE EXTENSION idem",
+		what, schema, fn, pg.Message, schema)
+	if strings.HasPrefix(fn, "idem_begin(") && strings.Count(fn, ",") == 6 {
+		msg += "; idem_begin with wait_for (Guard.WaitFor) needs idem 1.4"
+	}
+	return &Error{Code: pg.Code, Message: msg, Err: pg}
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log"
 	"sync"
 	"time"
 )
@@ -55,6 +56,11 @@ type Guard struct {
 	// WaitFor; each waiting duplicate holds a connection of the pool for
 	// that time.
 	WaitFor time.Duration
+
+	// Logf logs what the guard did that the caller did not ask for: a
+	// response the store refused, with NotStoredResponse stored in its
+	// place.  nil: log.Printf.
+	Logf func(format string, args ...interface{})
 }
 
 func (g *Guard) now() time.Time {
@@ -62,6 +68,14 @@ func (g *Guard) now() time.Time {
 		return g.Now()
 	}
 	return time.Now()
+}
+
+func (g *Guard) logf(format string, args ...interface{}) {
+	if g.Logf != nil {
+		g.Logf(format, args...)
+		return
+	}
+	log.Printf(format, args...)
 }
 
 // begin claims key, waiting up to WaitFor when the store can wait.
@@ -93,12 +107,18 @@ func answer(rec Record) (Response, Outcome, error) {
 //
 // A handler error is returned with Executed and nothing is stored.  A
 // failed Complete is returned with Executed: the side effect may be
-// visible, and the key stays in flight until its lease ends.
+// visible.  If the complete may yet succeed (a lost connection, a timeout:
+// see NotStoredError), the key stays in flight until its lease ends.  If
+// the store refused the response for good (a data error), Do stores
+// NotStoredResponse in its place, logs it (Logf) and returns a
+// *NotStoredError: the key is done, and a retry replays the 500 instead of
+// running fn again.  Once fn has run, the key is never given up because
+// its response could not be stored.
 func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context.Context) (Response, error)) (Response, Outcome, error) {
 	now := g.now()
 	rec, claimed, err := g.begin(ctx, key, fingerprint, now)
 	if err != nil {
-		return Response{}, Unavailable, ErrUnavailable
+		return Response{}, Unavailable, unavailable(err)
 	}
 	if !claimed {
 		return answer(rec)
@@ -123,11 +143,27 @@ func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context
 		return resp, Executed, ferr
 	}
 	if err := g.Store.Complete(cctx, key, fingerprint, resp, now, g.Retention); err != nil {
+		if notStorable(err) {
+			return resp, Executed, g.storeNotStored(cctx, key, fingerprint, now, err)
+		}
 		// The side effect may already be visible; the key stays PROCESSING and
 		// the downstream idempotency key must absorb the retry.
 		return resp, Executed, err
 	}
 	return resp, Executed, nil
+}
+
+// storeNotStored stores NotStoredResponse for key, whose response the
+// store refused with err, and logs it.
+func (g *Guard) storeNotStored(ctx context.Context, key, fingerprint string, now time.Time, err error) error {
+	if serr := g.Store.Complete(ctx, key, fingerprint, NotStoredResponse(), now, g.Retention); serr != nil {
+		g.logf("idempotency: response to key %q not stored (%v), nor %d %q in its place (%v)",
+			key, err, NotStoredStatus, "Response not stored", serr)
+		return fmt.Errorf("%w (storing %d %q in its place failed: %v)", err, NotStoredStatus, "Response not stored", serr)
+	}
+	nerr := &NotStoredError{Key: key, Err: err}
+	g.logf("%v", nerr)
+	return nerr
 }
 
 // heartbeat extends one claim's lease until stopped or the claim is lost.

@@ -41,11 +41,16 @@ type PostgresStore struct {
 	NoWait bool
 
 	// Timeout bounds each call (0: no bound besides ctx).  It is applied as
-	// a context deadline and, for the transaction of the call, as
-	// lock_timeout and statement_timeout, so a call waiting for another
-	// transaction's claim is cancelled on the server too.  A BeginWait
-	// (Guard.WaitFor) is bounded by Timeout plus its waitFor, so that the
-	// timeout leaves the server's wait its full length.
+	// a context deadline.  A BeginWait (Guard.WaitFor) is bounded by
+	// Timeout plus its waitFor, so that the timeout leaves the server's
+	// wait its full length.
+	//
+	// Every call whose context has a deadline (ctx's own, or Timeout's)
+	// runs in a transaction with lock_timeout and statement_timeout set to
+	// the time left until that deadline, so that a call the client gave up
+	// on is also ended on the server: a claim waiting for another
+	// transaction's is never made for a caller that has gone, even when
+	// the cancel request cannot reach the server.
 	Timeout time.Duration
 
 	pool *pgxpool.Pool
@@ -79,17 +84,49 @@ const (
 	sqlExtend   = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
 	sqlClock    = "SELECT pg_catalog.set_config('idem.clock_offset'," +
 		" pg_catalog.round(pg_catalog.date_part('epoch', $1::timestamptz - pg_catalog.clock_timestamp()))::bigint::text, true)"
-	sqlTimeouts = "SELECT pg_catalog.set_config('lock_timeout', $1::text, true)," +
-		" pg_catalog.set_config('statement_timeout', $1::text, true)"
+	// sqlTimeouts bounds the call's transaction by $1, or by the session's
+	// own lock_timeout and statement_timeout where they are shorter.
+	sqlTimeouts = "SELECT pg_catalog.set_config('lock_timeout', CASE WHEN s.l = '0'" +
+		" OR s.l::interval > ($1::text)::interval THEN $1::text ELSE s.l END, true)," +
+		" pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0'" +
+		" OR s.st::interval > ($1::text)::interval THEN $1::text ELSE s.st END, true)" +
+		" FROM (SELECT pg_catalog.current_setting('lock_timeout') AS l," +
+		" pg_catalog.current_setting('statement_timeout') AS st) s"
+	// sqlSaveTimeouts and sqlRestoreTimeouts keep DoTx's handler's
+	// statements under the settings its transaction had.
+	sqlSaveTimeouts    = "SELECT pg_catalog.current_setting('lock_timeout'), pg_catalog.current_setting('statement_timeout')"
+	sqlRestoreTimeouts = "SELECT pg_catalog.set_config('lock_timeout', $1::text, true)," +
+		" pg_catalog.set_config('statement_timeout', $2::text, true)"
 )
 
-// sql puts the quoted schema into a statement.
-func (s *PostgresStore) sql(format string) string {
+// The functions the statements call, as the errors of a missing one name
+// them.
+const (
+	fnBegin     = "idem_begin(text, text, interval, interval, text, boolean)"
+	fnBeginWait = "idem_begin(text, text, interval, interval, text, boolean, interval)"
+	fnComplete  = "idem_complete(text, text, integer, bytea, bigint, interval, text)"
+	fnRelease   = "idem_release(text, bigint, text)"
+	fnExtend    = "idem_extend(text, bigint, interval, text)"
+)
+
+// schema is the quoted schema of the idem functions.
+func (s *PostgresStore) schema() string {
 	schema := s.Schema
 	if schema == "" {
 		schema = "public"
 	}
-	return fmt.Sprintf(format, pgx.Identifier{schema}.Sanitize())
+	return pgx.Identifier{schema}.Sanitize()
+}
+
+// sql puts the quoted schema into a statement.
+func (s *PostgresStore) sql(format string) string {
+	return fmt.Sprintf(format, s.schema())
+}
+
+// mapError is the package's mapError, with a missing function or schema
+// named: fn is the function the call looked for.
+func (s *PostgresStore) mapError(err error, fn string) error {
+	return missingError(err, s.schema(), fn)
 }
 
 func (s *PostgresStore) fault(op string) error {
@@ -116,25 +153,43 @@ func interval(d time.Duration) interface{} {
 	return d
 }
 
-// setLocals applies the clock offset and the timeouts, which leave room
-// for a wait in the server of up to wait, to tx.
-func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time, wait time.Duration) error {
+// serverTimeout is the lock_timeout and statement_timeout that end a
+// call on the server by ctx's deadline (callContext puts Timeout there);
+// "" when ctx has none.
+func serverTimeout(ctx context.Context) string {
+	deadline, ok := ctx.Deadline()
+	if !ok {
+		return ""
+	}
+	ms := int64(math.Ceil(float64(time.Until(deadline)) / float64(time.Millisecond)))
+	if ms < 1 {
+		ms = 1 // 0 would be no timeout at all
+	}
+	return fmt.Sprintf("%dms", ms)
+}
+
+// setLocals applies the clock offset and the timeouts of ctx's deadline
+// to tx.
+func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time) error {
 	if s.ClientClock {
 		if _, err := tx.Exec(ctx, sqlClock, extended, now); err != nil {
 			return err
 		}
 	}
-	if s.Timeout > 0 {
-		ms := int64(math.Ceil(float64(s.Timeout+wait) / float64(time.Millisecond)))
-		if _, err := tx.Exec(ctx, sqlTimeouts, extended, fmt.Sprintf("%dms", ms)); err != nil {
+	if timeout := serverTimeout(ctx); timeout != "" {
+		if _, err := tx.Exec(ctx, sqlTimeouts, extended, timeout); err != nil {
 			return err
 		}
 	}
 	return nil
 }
 
-// needsTx tells whether a call must run in an explicit transaction.
-func (s *PostgresStore) needsTx() bool { return s.ClientClock || s.Timeout > 0 }
+// needsTx tells whether a call with ctx must run in an explicit
+// transaction: to move the clock, or to bound its wait on the server.
+func (s *PostgresStore) needsTx(ctx context.Context) bool {
+	_, deadline := ctx.Deadline()
+	return s.ClientClock || deadline
+}
 
 // inTx runs fn in a transaction with the settings applied and commits.
 func (s *PostgresStore) inTx(ctx context.Context, now time.Time, fn func(pgx.Tx) error) error {
@@ -143,7 +198,7 @@ func (s *PostgresStore) inTx(ctx context.Context, now time.Time, fn func(pgx.Tx)
 		return err
 	}
 	defer rollback(tx)
-	if err := s.setLocals(ctx, tx, now, 0); err != nil {
+	if err := s.setLocals(ctx, tx, now); err != nil {
 		return err
 	}
 	if err := fn(tx); err != nil {
@@ -168,7 +223,7 @@ type querier interface {
 // call runs one single-row statement, in a transaction when the settings
 // need one.
 func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier) error) error {
-	if !s.needsTx() {
+	if !s.needsTx(ctx) {
 		return fn(s.pool)
 	}
 	return s.inTx(ctx, now, func(tx pgx.Tx) error { return fn(tx) })
@@ -195,7 +250,11 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 	}
 	err := row.Scan(&claimed, &state, &token, &status, &body, &leaseUntil, &expiresAt)
 	if err != nil {
-		return Record{}, false, mapError(err)
+		fn := fnBegin
+		if wait > 0 {
+			fn = fnBeginWait
+		}
+		return Record{}, false, s.mapError(err, fn)
 	}
 	rec := Record{Fingerprint: fingerprint, State: State(state)}
 	if rec.State == Conflict {
@@ -256,7 +315,7 @@ func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, 
 		return Record{}, false, err
 	}
 	defer rollback(tx)
-	if err := s.setLocals(cctx, tx, now, waitFor); err != nil {
+	if err := s.setLocals(cctx, tx, now); err != nil {
 		return Record{}, false, err
 	}
 	rec, claimed, err = s.beginRow(cctx, tx, key, fingerprint, lease, retention, waitFor)
@@ -304,11 +363,11 @@ func (s *PostgresStore) Complete(ctx context.Context, key, fingerprint string, r
 	}
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
-	return mapError(s.call(cctx, now, func(q querier) error {
+	return s.mapError(s.call(cctx, now, func(q querier) error {
 		var expires time.Time
 		return q.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
 			body(resp.Body), token, interval(retention), s.Scope).Scan(&expires)
-	}))
+	}), fnComplete)
 }
 
 // body is never NULL: a nil body is stored as an empty one.
@@ -332,7 +391,7 @@ func (s *PostgresStore) Release(ctx context.Context, key string, token int64, no
 	err := s.call(cctx, now, func(q querier) error {
 		return q.QueryRow(cctx, s.sql(sqlRelease), extended, key, token, s.Scope).Scan(&released)
 	})
-	return released, mapError(err)
+	return released, s.mapError(err, fnRelease)
 }
 
 // Extend moves the lease of the claim of key held with token to now +
@@ -348,7 +407,7 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 	err := s.call(cctx, now, func(q querier) error {
 		return q.QueryRow(cctx, s.sql(sqlExtend), extended, key, token, interval(lease), s.Scope).Scan(&until)
 	})
-	return until, mapError(err)
+	return until, s.mapError(err, fnExtend)
 }
 
 // DoTx runs fn under key in one transaction with fn's own writes: it
@@ -361,8 +420,11 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 // error after the claim (from fn, the complete or the commit) rolls the
 // transaction back: the outcome is Executed with that error, and neither
 // fn's writes nor the claim remain (unless the commit itself was cut off,
-// when its result is unknown).  The handler's context carries the claim
-// (WithClaim).  Lease, Heartbeat and ReleaseOnError do not apply.
+// when its result is unknown).  A complete the server refuses for good
+// rolls back too, and is not replaced by NotStoredResponse as in Do: with
+// fn's writes undone, a retry may run fn again.  The handler's context
+// carries the claim (WithClaim).  Lease, Heartbeat and ReleaseOnError do
+// not apply.
 //
 // A retry waits for a claim that is not yet committed in any case; with
 // WaitFor, it also waits up to WaitFor for a committed claim in flight (one
@@ -374,11 +436,11 @@ func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(conte
 	}
 	now := g.now()
 	if err := s.fault("begin"); err != nil {
-		return Response{}, Unavailable, ErrUnavailable
+		return Response{}, Unavailable, unavailable(err)
 	}
 	tx, err := s.pool.Begin(ctx)
 	if err != nil {
-		return Response{}, Unavailable, ErrUnavailable
+		return Response{}, Unavailable, unavailable(err)
 	}
 	defer rollback(tx)
 	wait := g.WaitFor
@@ -393,10 +455,30 @@ func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(conte
 				return Record{}, false, err
 			}
 		}
-		return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
+		timeout := serverTimeout(cctx)
+		if timeout == "" {
+			return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
+		}
+		// The claim's wait is bounded on the server too; the handler's
+		// statements then run under the transaction's own settings.
+		var lockTimeout, statementTimeout string
+		if err := tx.QueryRow(cctx, sqlSaveTimeouts, extended).Scan(&lockTimeout, &statementTimeout); err != nil {
+			return Record{}, false, err
+		}
+		if _, err := tx.Exec(cctx, sqlTimeouts, extended, timeout); err != nil {
+			return Record{}, false, err
+		}
+		rec, claimed, err := s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
+		if err != nil {
+			return Record{}, false, err
+		}
+		if _, err := tx.Exec(cctx, sqlRestoreTimeouts, extended, lockTimeout, statementTimeout); err != nil {
+			return Record{}, false, err
+		}
+		return rec, claimed, nil
 	}()
 	if err != nil {
-		return Response{}, Unavailable, ErrUnavailable
+		return Response{}, Unavailable, unavailable(err)
 	}
 	if !claimed {
 		return answer(rec)
@@ -414,7 +496,7 @@ func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(conte
 	err = tx.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
 		body(resp.Body), rec.Token, interval(g.Retention), s.Scope).Scan(&expires)
 	if err != nil {
-		return resp, Executed, mapError(err)
+		return resp, Executed, s.mapError(err, fnComplete)
 	}
 	if err := tx.Commit(cctx); err != nil {
 		return resp, Executed, err

@@ -385,7 +385,7 @@ func TestWaitForPostgres(t *testing.T) {
 		r := result(t, doAsync(ctx, g, "wf-6", okHandler(&calls)), 40*time.Second)
 		// Cut off by the deadline: not sooner (the server waited), and
 		// well before WaitFor.
-		if r.out != Unavailable || r.err != ErrUnavailable || calls.Load() != 0 || r.took < 1800*time.Millisecond || r.took > 30*time.Second {
+		if r.out != Unavailable || !errors.Is(r.err, ErrUnavailable) || calls.Load() != 0 || r.took < 1800*time.Millisecond || r.took > 30*time.Second {
 			t.Fatalf("out=%s err=%v calls=%d after %v", r.out, r.err, calls.Load(), r.took)
 		}
 		if !waitFor(30*time.Second, func() bool { return serverWaiting(t) == 0 }) {
@@ -452,7 +452,7 @@ func TestMemoryWaitForCancel(t *testing.T) {
 	awaitWaiting(t, waitStore{waiting: func(*testing.T) int { return store.memoryWaiting() }}, 1, done)
 	cancel()
 	r := result(t, done, 30*time.Second)
-	if r.out != Unavailable || r.err != ErrUnavailable || calls.Load() != 0 || store.memoryWaiting() != 0 {
+	if r.out != Unavailable || !errors.Is(r.err, ErrUnavailable) || calls.Load() != 0 || store.memoryWaiting() != 0 {
 		t.Fatalf("out=%s err=%v calls=%d waiting=%d", r.out, r.err, calls.Load(), store.memoryWaiting())
 	}
 	// The holder's claim is untouched.
