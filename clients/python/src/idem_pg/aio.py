@@ -23,7 +23,8 @@ from psycopg import pq
 from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
                       Statements, as_response, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
-from .errors import CLAIM_GONE, Timeout, Unavailable, not_found, translate, transient
+from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
+                     translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport
 
 try:
@@ -356,7 +357,9 @@ class AsyncGuard:
         except Exception as exc:  # noqa: BLE001 - executed, not stored
             result.error = translate(exc)
             result.failed_step = "complete"
-            if not transient(result.error):
+            # (a key completed already is not claimable: nothing to store)
+            if not transient(result.error) and not isinstance(result.error,
+                                                              AlreadyCompleted):
                 await self._store_not_stored(result, key, fingerprint, row.token, retention,
                                              scope, not_stored)
         return result

@@ -27,7 +27,8 @@ from psycopg import pq
 from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
                       Statements, as_response, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
-from .errors import CLAIM_GONE, Unavailable, not_found, translate, transient
+from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
+                     transient)
 
 try:
     from psycopg_pool import ConnectionPool
@@ -408,7 +409,9 @@ class Guard:
         except Exception as exc:  # noqa: BLE001 - executed, not stored
             result.error = translate(exc)
             result.failed_step = "complete"
-            if not transient(result.error):
+            # (a key completed already is not claimable: nothing to store)
+            if not transient(result.error) and not isinstance(result.error,
+                                                              AlreadyCompleted):
                 self._store_not_stored(result, key, fingerprint, row.token, retention,
                                        scope, not_stored)
         return result
