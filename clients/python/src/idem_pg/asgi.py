@@ -56,6 +56,12 @@ class _Captured:
         return b"".join(self.chunks)
 
 
+def _twice(timeout):
+    """The claim's statement_timeout in transactional mode: its lock_timeout
+    (a transaction holding the key: 409) ends a wait first."""
+    return None if timeout is None else 2 * timeout
+
+
 class _Release(Exception):
     """Ends the transaction of a response the policy does not store."""
 
@@ -210,7 +216,7 @@ class IdempotencyMiddleware:
                                         scope=g.scope if tenant is None else tenant,
                                         wait=True, lock_timeout=g.timeout,
                                         wait_for=s.wait_of(scope) or None,
-                                        timeout=g.timeout) as tx:
+                                        timeout=_twice(g.timeout)) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:

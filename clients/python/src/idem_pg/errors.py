@@ -132,13 +132,13 @@ def not_found(exc: BaseException, function: str, schema: str) -> BaseException:
     state = getattr(exc, "sqlstate", None)
     if state not in ("42883", "3F000") or isinstance(exc, FunctionNotFound):
         return exc
-    what = "schema %s" % schema if state == "3F000" else "%s.%s" % (schema, function)
+    what = "%s.%s" % (schema, function)
+    first = (str(exc).strip().splitlines() or [state])[0]
     err = FunctionNotFound(
         "%s not found (%s: %s): is the idem extension installed, and up to date, in "
         "schema %r of this database? Pass schema= (the schema of CREATE EXTENSION "
         "idem) to the guard, atomic() or the middleware's guard"
-        % (what, state, str(exc).strip().splitlines()[0] if str(exc).strip() else state),
-        sqlstate=state)
+        % (what, state, first, schema), sqlstate=state)
     err.__cause__ = exc
     return err
 

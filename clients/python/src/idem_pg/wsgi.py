@@ -65,6 +65,12 @@ def _flask_hook(app: Any) -> None:
     flask_app.before_request(copy_to_g)
 
 
+def _twice(timeout):
+    """The claim's statement_timeout in transactional mode: its lock_timeout
+    (a transaction holding the key: 409) ends a wait first."""
+    return None if timeout is None else 2 * timeout
+
+
 class _Release(Exception):
     """Ends the transaction of a response the policy does not store."""
 
@@ -205,7 +211,7 @@ class IdempotencyWSGIMiddleware:
                 with atomic(conn, key, fingerprint, schema=g.sql.schema, lease=g.lease,
                             retention=g.retention, scope=g.scope if tenant is None else tenant,
                             wait=True, lock_timeout=g.timeout,
-                            wait_for=s.wait_of(environ) or None, timeout=g.timeout) as tx:
+                            wait_for=s.wait_of(environ) or None, timeout=_twice(g.timeout)) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:
