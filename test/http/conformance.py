@@ -195,7 +195,8 @@ class Runner:
         for h in ("location", "etag", "content-type"):
             check(r2.header(h) == r1.header(h), h, r1.header(h), r2.header(h))
         check(r2.body == r1.body, "same body", r1.body, r2.body)
-        check(self.expires(r2) == e1, "same Idempotency-Expires", e1, r2.header("idempotency-expires"))
+        check(self.expires(r2) == e1, "same Idempotency-Expires", e1,
+              r2.header("idempotency-expires"))
         check(self.executions(key, "plain") == 1, "one execution")
 
     def binary_replay(self):
@@ -452,7 +453,8 @@ def main(argv=None):
     r = Runner(a.url, a.dsn, a.psql, a.schema)
     checks = [
         ("8 concurrent retries: one execution, all 201, the others replayed", r.concurrent_retries),
-        ("replay: status, Location, ETag, content-type, body, Idempotency-Expires", r.replay_fidelity),
+        ("replay: status, Location, ETag, content-type, body, Idempotency-Expires",
+         r.replay_fidelity),
         ("replay of a binary body byte for byte", r.binary_replay),
         ("422 for the key with another body", r.different_request),
         ("400 without the key", r.missing_key),

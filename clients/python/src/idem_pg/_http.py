@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Uni
 from ._common import NOT_STORED, Response, wait_seconds
 
 Headers = List[Tuple[str, str]]
+Answer = Tuple[int, Headers, bytes]
 
 # Headers stored with a response and sent again on replay.
 DEFAULT_STORED_HEADERS = ("content-type", "content-encoding", "content-language",
@@ -172,7 +173,7 @@ class Settings:
     def kept(self, headers: Headers) -> Headers:
         return [(k.lower(), v) for k, v in headers if k.lower() in self.stored_headers]
 
-    def key_of(self, value: Optional[str]) -> Tuple[Optional[str], Optional[Tuple[int, Headers, bytes]]]:
+    def key_of(self, value: Optional[str]) -> Tuple[Optional[str], Optional[Answer]]:
         """(the key, None), (None, None) for no header where none is
         required, or (None, the 400 to answer)."""
         if value is None:
