@@ -6,8 +6,12 @@
 # Installs the Debian packages it needs if any is missing, starts a cluster
 # (test/cluster.sh, port 55442) with the idem extension, which must already
 # be installed (make && make install), runs pytest with /usr/bin/python3,
-# stops the cluster and every app server it started on exit, and prints
-# "N passed, N failed".  Exits non-zero on any failure.
+# then serves the conformance app (tests/apps/conformance_*.py) for ASGI
+# (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
+# with two workers) on ports 55443 and 55444 (IDEM_PY_PORT + 1, + 2) and
+# runs test/http/conformance.py against each.  Stops the cluster and every
+# app server it started on exit and prints "N passed, N failed" for all of
+# it.  Exits non-zero on any failure.
 set -u
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/../.." && pwd)
@@ -19,7 +23,8 @@ dir=/tmp/idem-python.$$
 #    see them).
 pkgs="python3 python3-psycopg python3-psycopg-pool python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
-	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15"
+	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15 \
+	gunicorn"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
@@ -42,8 +47,23 @@ fi
 
 # 4. Whatever happens, stop the app servers and the cluster.
 pytest_pid=""
+gunicorn_pid=""
+stop_gunicorn() {
+	# TERM to the master stops its workers; KILL if it has not after 10 s
+	[ -n "$gunicorn_pid" ] || return 0
+	kill "$gunicorn_pid" 2>/dev/null
+	i=0
+	while kill -0 "$gunicorn_pid" 2>/dev/null && [ $i -lt 100 ]; do
+		sleep 0.1
+		i=$((i + 1))
+	done
+	kill -9 "$gunicorn_pid" 2>/dev/null
+	wait "$gunicorn_pid" 2>/dev/null
+	gunicorn_pid=""
+}
 cleanup() {
 	[ -n "$pytest_pid" ] && kill "$pytest_pid" 2>/dev/null && sleep 1
+	stop_gunicorn
 	if [ -f "$dir/app.pids" ]; then
 		while read -r pid; do
 			kill -9 "$pid" 2>/dev/null
@@ -105,6 +125,59 @@ failed=$(( ${failed:-0} + ${errors:-0} ))
 if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
 	failed=1            # pytest itself failed (collection, no tests, crash)
 fi
+
+# 5. The conformance runner against each stack's app under gunicorn.
+"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE TABLE conf_orders
+	(id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' || failed=$((failed + 1))
+conform() { # NAME PORT GUNICORN_ARGS...: serve, run the runner, stop
+	name=$1
+	aport=$2
+	shift 2
+	IDEM_CONF_DSN="$dsn" IDEM_CONF_DOWN_DSN="$IDEM_TEST_DOWN_DSN" \
+		PYTHONPATH="$here/src:$here/tests" \
+		"$py" -m gunicorn -w 2 -b "127.0.0.1:$aport" --chdir "$here/tests" \
+		--graceful-timeout 5 "$@" >"$dir/gunicorn-$name.log" 2>&1 &
+	gunicorn_pid=$!
+	echo "$gunicorn_pid" >>"$IDEM_TEST_PIDFILE"
+	if ! "$py" - "$aport" <<-'EOF'; then
+		import http.client, sys, time
+		for _ in range(600):
+		    try:
+		        c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
+		        c.request("GET", "/health")
+		        if c.getresponse().status == 200:
+		            sys.exit(0)
+		    except OSError:
+		        pass
+		    time.sleep(0.1)
+		sys.exit(1)
+	EOF
+		echo "$name: the app did not answer" >&2
+		tail -20 "$dir/gunicorn-$name.log" >&2
+		failed=$((failed + 1))
+		stop_gunicorn
+		return
+	fi
+	echo "# conformance: $name"
+	PSQL="$bindir/psql" "$py" "$top/test/http/conformance.py" \
+		--url "http://127.0.0.1:$aport" --dsn "$dsn" >"$dir/conformance-$name.log" 2>&1
+	crc=$?
+	cat "$dir/conformance-$name.log"
+	stop_gunicorn
+	line=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$dir/conformance-$name.log" | tail -1)
+	p=$(echo "$line" | cut -d' ' -f1)
+	f=$(echo "$line" | cut -d' ' -f3)
+	passed=$((passed + ${p:-0}))
+	failed=$((failed + ${f:-0}))
+	if [ "$crc" -ne 0 ] && [ "${f:-0}" -eq 0 ]; then
+		failed=$((failed + 1))   # the runner itself failed
+		tail -20 "$dir/gunicorn-$name.log"
+	fi
+}
+conform asgi $((port + 1)) -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
+conform wsgi $((port + 2)) apps.conformance_wsgi:app
+
+
 sh "$here/typecheck.sh" || { echo "$passed passed, $failed failed"; exit 1; }   # mypy: its own count line
 echo "$passed passed, $failed failed"
 [ "$rc" -eq 0 ] && [ "$failed" -eq 0 ] && [ "$passed" -gt 0 ]

@@ -10,9 +10,10 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from idem_pg import (AlreadyCompleted, BodyTooLarge, FailN, FingerprintMismatch,
+from idem_pg import (AlreadyCompleted, FailN, FingerprintMismatch,
                      Guard, InjectedFault, InvalidArgument, NoLiveClaim, Outcome,
                      Response, Timeout, TokenSuperseded, Unavailable)
+from idem_pg._common import NOT_STORED_BODY
 
 from conftest import lookup, new_key, wait_for
 
@@ -238,8 +239,11 @@ def test_invalid_arguments(dsn):
     assert e.value.sqlstate == "22023" and isinstance(e.value, ValueError)
     key = new_key()
     row = g.begin(key, FP)
-    with pytest.raises(BodyTooLarge):
-        g.complete(key, FP, 200, b"x" * (1024 * 1024 + 1), row.token)
+    # a body over idem.max_body_size is no error: the server stores the
+    # fixed 500 in its place
+    assert g.complete(key, FP, 200, b"x" * (1024 * 1024 + 1), row.token) is not None
+    replay = g.begin(key, FP)
+    assert (replay.state, replay.status, replay.body) == ("DONE", 500, NOT_STORED_BODY)
     r = g.do("", FP, Calls())
     assert r.outcome is Outcome.UNAVAILABLE and isinstance(r.error, InvalidArgument)
 

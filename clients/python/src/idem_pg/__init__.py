@@ -11,8 +11,8 @@ from ._common import BeginRow, Claim, FailN, Outcome, Response, Result
 from .aio import AsyncGuard
 from .atomic import Atomic, AsyncAtomic, atomic, atomic_async
 from .errors import (AlreadyCompleted, BodyTooLarge, ClaimNotCompleted,
-                     FingerprintMismatch, IdemError, InjectedFault,
-                     InvalidArgument, NoLiveClaim, Timeout, TokenSuperseded,
+                     FingerprintMismatch, FunctionNotFound, IdemError,
+                     InjectedFault, InvalidArgument, NoLiveClaim, Timeout, TokenSuperseded,
                      Unavailable, translate)
 from .guard import Guard
 
@@ -21,7 +21,7 @@ __version__ = "0.1.0"
 __all__ = [
     "AlreadyCompleted", "AsyncAtomic", "AsyncGuard", "Atomic", "BeginRow",
     "BodyTooLarge", "Claim", "ClaimNotCompleted", "FailN", "FingerprintMismatch",
-    "Guard", "IdemError", "InjectedFault", "InvalidArgument", "NoLiveClaim",
+    "FunctionNotFound", "Guard", "IdemError", "InjectedFault", "InvalidArgument", "NoLiveClaim",
     "Outcome", "Response", "Result", "Timeout", "TokenSuperseded", "Unavailable",
     "atomic", "atomic_async", "translate",
 ]

@@ -54,16 +54,32 @@ def as_response(value: Any) -> Response:
                     % type(value).__name__)
 
 
+# The answer stored in place of a response that cannot be stored
+# (doc/http.md): idem_complete stores it itself for a body over
+# idem.max_body_size; a guard stores it when its complete fails for a
+# reason a retry cannot fix, so that the key is never claimed again.
+NOT_STORED_STATUS = 500
+NOT_STORED_BODY = (b'{"type":"about:blank","title":"Response not stored","status":500,'
+                   b'"detail":"The response to the first request with this key was larger '
+                   b'than idem.max_body_size; it was sent then and is not replayed."}')
+NOT_STORED = Response(NOT_STORED_STATUS, NOT_STORED_BODY)
+
+
 @dataclass
 class Result:
     """What Guard.do did.
 
     ``failed_step`` is None, "begin", "heartbeat", "handler" or "complete";
     ``error`` the exception of that step.  EXECUTED with failed_step
-    "complete" means the handler ran but its response is not stored: the
-    key stays PROCESSING until its lease ends.  IN_FLIGHT carries the
-    holder's ``lease_until`` and ``lease_left``, the seconds from the
-    server's clock to it (when to try again), if the server named them.
+    "complete" means the handler ran but its response is not stored:
+    ``not_stored`` is then True if the guard stored the fixed "Response not
+    stored" answer in its place (a retry gets that 500, never a second
+    execution), False if the failure was transient and the key stays
+    PROCESSING until its lease ends.  IN_FLIGHT carries the holder's
+    ``lease_until`` and ``lease_left``, the seconds from the server's clock
+    to it (when to try again), if the server named them.  ``expires_at``:
+    until when the stored response (REPLAYED, or EXECUTED and stored) is
+    replayed.
     """
 
     outcome: Outcome
@@ -76,6 +92,8 @@ class Result:
     superseded: bool = False
     lease_until: Optional[_dt.datetime] = None
     lease_left: Optional[float] = None
+    expires_at: Optional[_dt.datetime] = None
+    not_stored: bool = False
 
     @property
     def ok(self) -> bool:
@@ -102,10 +120,12 @@ class FailN:
     """Fault hook: make ``op`` ("begin", "complete", "release", "extend";
     None: any) fail ``n`` times, like the Go test's store.Fault."""
 
-    def __init__(self, op: Optional[str], n: int = 1, message: str = "store timeout"):
+    def __init__(self, op: Optional[str], n: int = 1, message: str = "store timeout",
+                 sqlstate: Optional[str] = None):
         self.op = op
         self.remaining = n
         self.message = message
+        self.sqlstate = sqlstate        # the server error it plays; None: a lost link
         self._lock = threading.Lock()
 
     def __call__(self, op: str) -> Optional[BaseException]:
@@ -115,7 +135,8 @@ class FailN:
             if self.remaining <= 0:
                 return None
             self.remaining -= 1
-        return InjectedFault("%s (fault injected at %s)" % (self.message, op))
+        return InjectedFault("%s (fault injected at %s)" % (self.message, op),
+                             sqlstate=self.sqlstate)
 
 
 def fault_error(fault: Optional[Callable[[str], Any]], op: str) -> Optional[BaseException]:
@@ -213,6 +234,10 @@ class Statements:
             "SELECT {}.idem_release(%s::text, %s::bigint, %s::text)").format(s)
         self.extend = sql.SQL(
             "SELECT {}.idem_extend(%s::text, %s::bigint, %s::interval, %s::text)").format(s)
+        # What a call of each step names when the server has no such function.
+        self.functions = {"begin": "idem_begin", "complete": "idem_complete",
+                          "release": "idem_release", "extend": "idem_extend",
+                          "lookup": "idem_lookup"}
         self.lookup = sql.SQL(
             "SELECT state, token, status, lease_until, expires_at, body_size"
             " FROM {}.idem_lookup(%s::text, %s::text)").format(s)

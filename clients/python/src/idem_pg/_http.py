@@ -1,16 +1,20 @@
-"""What the ASGI and WSGI middleware share: settings, the fingerprint,
-the stored form of a response and the error responses."""
+"""What the ASGI and WSGI middleware share: settings, the parse of the
+header, the fingerprint, the replay policy, the stored form of a response
+(the envelope) and the error responses.  The behaviour is doc/http.md's."""
 
 from __future__ import annotations
 
+import datetime as _dt
+import email.utils
 import hashlib
 import json
 import math
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
-from ._common import wait_seconds
+from ._common import NOT_STORED, Response, wait_seconds
 
 Headers = List[Tuple[str, str]]
+Answer = Tuple[int, Headers, bytes]
 
 # Headers stored with a response and sent again on replay.
 DEFAULT_STORED_HEADERS = ("content-type", "content-encoding", "content-language",
@@ -21,6 +25,65 @@ _MAGIC = b"idem-http/1\n"
 
 # How long a duplicate of a request in flight waits for its answer.
 DEFAULT_WAIT_FOR = 5.0
+
+
+class BadKey(ValueError):
+    """The header's value is no key (doc/http.md): answered 400."""
+
+
+def parse_key(value: Optional[str], max_length: int = 255) -> Optional[str]:
+    """The key of an Idempotency-Key header value (its bytes as latin-1
+    text; None: no header), for ASGI and WSGI alike.  The value is a
+    Structured Field string (``"K"``, with ``\\"`` and ``\\\\``
+    escapes) or a bare token (``K``): both give the key K.  A key is 1 to
+    ``max_length`` bytes of printable ASCII (0x20 to 0x7e); anything else
+    raises BadKey."""
+    if value is None:
+        return None
+    v = value.strip(" \t")
+    if v.startswith('"'):
+        out = []
+        i, n = 1, len(v)
+        while True:
+            if i >= n:
+                raise BadKey("an unterminated string")
+            c = v[i]
+            if c == "\\":
+                if i + 1 >= n or v[i + 1] not in '"\\':
+                    raise BadKey("a backslash not followed by \\ or \"")
+                out.append(v[i + 1])
+                i += 2
+            elif c == '"':
+                if i + 1 != n:
+                    raise BadKey("characters after the closing quote")
+                break
+            elif " " <= c <= "~":
+                out.append(c)
+                i += 1
+            else:
+                raise BadKey("a character outside printable ASCII (0x%02x)" % ord(c))
+        key = "".join(out)
+    else:
+        key = v
+        for c in key:
+            if not " " <= c <= "~":
+                raise BadKey("a character outside printable ASCII (0x%02x)" % ord(c))
+    if not key or len(key) > max_length:
+        raise BadKey("the key must have 1 to %d bytes" % max_length)
+    return key
+
+
+def default_store_status(status: int) -> bool:
+    """doc/http.md's policy: store unless 429 or 5xx."""
+    return status != 429 and status < 500
+
+
+def http_date(at: _dt.datetime) -> str:
+    """An IMF-fixdate (Sun, 06 Nov 1994 08:49:37 GMT)."""
+    if at.tzinfo is None:
+        at = at.replace(tzinfo=_dt.timezone.utc)
+    return email.utils.format_datetime(at.astimezone(_dt.timezone.utc).replace(microsecond=0),
+                                       usegmt=True)
 
 
 def default_fingerprint(method: str, path: str, body: bytes) -> str:
@@ -35,8 +98,10 @@ def default_fingerprint(method: str, path: str, body: bytes) -> str:
 
 
 def pack(headers: Headers, body: bytes) -> bytes:
-    """The stored body: a marker line, the kept headers as JSON, the body."""
-    return _MAGIC + json.dumps(headers, separators=(",", ":")).encode("utf-8") + b"\n" + body
+    """The envelope: a marker line, the kept headers as a JSON array of
+    [name, value] pairs with lower-case names, the body."""
+    pairs = [[k.lower(), v] for k, v in headers]
+    return _MAGIC + json.dumps(pairs, separators=(",", ":")).encode("utf-8") + b"\n" + body
 
 
 def unpack(data: bytes) -> Tuple[Headers, bytes]:
@@ -60,6 +125,10 @@ class Settings:
     ``wait_for``: seconds a duplicate of a request in flight waits for the
     first one's response (None or 0: 409 at once), or a function of the
     ASGI scope or WSGI environ returning them, for a wait per route.
+
+    ``store_status``: a function of the handler's status, true to store
+    the response (default: not 429 nor 5xx); ``store_server_errors=True``
+    is the shorthand for storing every status.
     """
 
     def __init__(self, *, header: str = "Idempotency-Key",
@@ -67,6 +136,7 @@ class Settings:
                  fingerprint: Optional[Callable[[str, str, bytes], str]] = None,
                  scope: Optional[Callable[[Any], str]] = None,
                  store_server_errors: bool = False,
+                 store_status: Optional[Callable[[int], bool]] = None,
                  replay_header: Optional[str] = "Idempotent-Replayed",
                  retry_after: int = 1,
                  stored_headers: Sequence[str] = DEFAULT_STORED_HEADERS,
@@ -77,7 +147,12 @@ class Settings:
         self.required = required
         self.fingerprint = fingerprint or default_fingerprint
         self.scope = scope
+        if store_status is not None and store_server_errors:
+            raise TypeError("store_status and store_server_errors: give one")
         self.store_server_errors = store_server_errors
+        if store_status is None:
+            store_status = (lambda status: True) if store_server_errors else default_store_status
+        self.store_status = store_status
         self.replay_header = replay_header
         self.retry_after = retry_after
         self.stored_headers = frozenset(h.lower() for h in stored_headers)
@@ -91,26 +166,43 @@ class Settings:
         w = self.wait_for(request) if callable(self.wait_for) else self.wait_for
         return wait_seconds(w) or 0.0
 
+    def stores(self, status: int) -> bool:
+        """Whether a response with this status is stored (else released)."""
+        return bool(self.store_status(status))
+
     def kept(self, headers: Headers) -> Headers:
-        return [(k, v) for k, v in headers if k.lower() in self.stored_headers]
+        return [(k.lower(), v) for k, v in headers if k.lower() in self.stored_headers]
 
-    def bad_key(self, key: Optional[str]) -> Optional[Tuple[int, Headers, bytes]]:
-        if key is None:
+    def key_of(self, value: Optional[str]) -> Tuple[Optional[str], Optional[Answer]]:
+        """(the key, None), (None, None) for no header where none is
+        required, or (None, the 400 to answer)."""
+        if value is None:
             if self.required:
-                return problem(400, "the %s header is missing" % self.header)
-            return None
-        if key == "" or len(key.encode("utf-8")) > self.max_key_length:
-            return problem(400, "the %s header must have 1 to %d bytes"
-                           % (self.header, self.max_key_length))
-        return None
+                return None, problem(400, "the %s header is missing" % self.header)
+            return None, None
+        try:
+            return parse_key(value, self.max_key_length), None
+        except BadKey as exc:
+            return None, problem(400, "the %s header is not a key: %s" % (self.header, exc))
 
-    def replay(self, status: int, data: bytes) -> Tuple[int, Headers, bytes]:
+    @property
+    def not_stored(self) -> Response:
+        """What is stored, in the envelope, when a response cannot be."""
+        return Response(NOT_STORED.status,
+                        pack([("content-type", "application/problem+json")], NOT_STORED.body))
+
+    @staticmethod
+    def expires(at: Optional[_dt.datetime]) -> Headers:
+        return [("idempotency-expires", http_date(at))] if at is not None else []
+
+    def replay(self, status: int, data: bytes,
+               expires_at: Optional[_dt.datetime] = None) -> Tuple[int, Headers, bytes]:
         headers, body = unpack(data)
         headers = [(k, v) for k, v in headers if k.lower() != "content-length"]
         headers.append(("content-length", str(len(body))))
         if self.replay_header:
             headers.append((self.replay_header, "true"))
-        return status, headers, body
+        return status, headers + self.expires(expires_at), body
 
     def in_flight(self, lease_left: Optional[float] = None) -> Tuple[int, Headers, bytes]:
         """409; Retry-After: the seconds left of the holder's lease when
@@ -131,7 +223,7 @@ class Settings:
 
 class NotStored(Exception):
     """Raised from the guard's handler so that a response is sent but the
-    claim released (a 5xx when server errors are not stored)."""
+    claim released (a status the policy does not store: 429, 5xx)."""
 
     def __init__(self, response):
         super().__init__("server error response released for retry")

@@ -13,22 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, cast
 
 import psycopg
 from psycopg import pq
 
-from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
+from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
                       Statements, as_response, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
-from .errors import CLAIM_GONE, Timeout, Unavailable, translate
+from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
+                     translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport
 
 try:
     from psycopg_pool import AsyncConnectionPool
 except ImportError:  # pragma: no cover
     AsyncConnectionPool = None  # type: ignore[assignment,misc]
+
+log = logging.getLogger("idem_pg")
 
 _IDLE = pq.TransactionStatus.IDLE
 _IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
@@ -204,7 +208,7 @@ class AsyncGuard:
             async with self._source.connection() as conn:
                 return await self._exec(conn, query, params, on_row, offset_s, extra)
         except Exception as exc:
-            mapped = translate(exc)
+            mapped = not_found(translate(exc), self.sql.functions.get(op, op), self.sql.schema)
             if mapped is exc:
                 raise
             raise mapped from exc
@@ -260,14 +264,33 @@ class AsyncGuard:
             if result.error is None:
                 result.error = exc
 
+    async def _store_not_stored(self, result: Result, key: str, fingerprint: str,
+                                token: int, retention: Seconds, scope: str,
+                                answer: Response) -> None:
+        try:
+            result.expires_at = await self.complete(key, fingerprint, answer.status,
+                                                    answer.body, token,
+                                                    retention=retention, scope=scope)
+        except Exception as exc:  # noqa: BLE001 - left to the lease
+            log.error("response for key %r not stored (%s), nor the %d in its place (%s): "
+                      "the key stays in flight until its lease ends",
+                      key, result.error, answer.status, translate(exc))
+            return
+        result.not_stored = True
+        log.warning("response for key %r not stored (%s: %s); a retry gets %d "
+                    "\"Response not stored\"", key, getattr(result.error, "sqlstate", None),
+                    result.error, answer.status)
+
     async def do(self, key: str, fingerprint: str,
                  handler: Callable[[Claim], Awaitable[Any]], *,
                  scope: Optional[str] = None, lease: Seconds = None,
                  retention: Seconds = None, wait: Optional[bool] = None,
-                 wait_for: Seconds = None) -> Result:
+                 wait_for: Seconds = None,
+                 not_stored: Response = NOT_STORED) -> Result:
         """Claim ``key``; replay, refuse, or await ``handler(claim)`` and store
         the Response it returns.  If the calling task is cancelled, the
-        server's wait is cancelled too and a claim already made is released."""
+        server's wait is cancelled too and a claim already made is released.
+        A response that cannot be stored: as for Guard.do."""
         scope = self.scope if scope is None else scope
         lease = self.lease if lease is None else lease
         retention = self.retention if retention is None else retention
@@ -297,6 +320,8 @@ class AsyncGuard:
             result.response = row.response()
             if outcome is Outcome.IN_FLIGHT:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
+            elif outcome is Outcome.REPLAYED:
+                result.expires_at = row.expires_at
             return result
 
         token = cast(int, row.token)  # an executed claim has its token
@@ -328,9 +353,14 @@ class AsyncGuard:
 
         result.response = resp
         try:
-            await self.complete(key, fingerprint, resp.status, resp.body, token,
-                                retention=retention, scope=scope)
-        except Exception as exc:  # noqa: BLE001
+            result.expires_at = await self.complete(key, fingerprint, resp.status, resp.body,
+                                            token, retention=retention, scope=scope)
+        except Exception as exc:  # noqa: BLE001 - executed, not stored
             result.error = translate(exc)
             result.failed_step = "complete"
+            # (a key completed already is not claimable: nothing to store)
+            if not transient(result.error) and not isinstance(result.error,
+                                                              AlreadyCompleted):
+                await self._store_not_stored(result, key, fingerprint, token, retention,
+                                             scope, not_stored)
         return result

@@ -3,19 +3,45 @@
     app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(DSN))
 
 The whole request body and response are buffered: a streamed response is
-sent only once it has ended.
+sent only once it has ended.  The behaviour is doc/http.md's.
+
+``transactional=True`` runs the handler inside the transaction that holds
+the claim, on the connection ``request.state.idem_connection`` (FastAPI:
+``Depends(idem_connection)``); the claim, the handler's writes and the
+stored response commit together before the response is sent.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, List, Optional, Tuple, cast
+from typing import Any, List, Optional, cast
+
+import psycopg
 
 from ._common import Outcome, Response
 from ._http import Headers, NotStored, Settings, pack
 from .aio import AsyncGuard
+from .atomic import atomic_async
+from .errors import IdemError, Timeout, transient, translate
+
+try:  # for the dependency's signature; the middleware needs no Starlette
+    from starlette.requests import Request
+except ImportError:  # pragma: no cover
+    Request = Any  # type: ignore[misc,assignment]
 
 log = logging.getLogger("idem_pg")
+
+
+def idem_connection(request: Request) -> psycopg.AsyncConnection:
+    """The request's connection in transactional mode, inside the
+    transaction that holds the claim.  FastAPI:
+    ``conn: AsyncConnection = Depends(idem_connection)``."""
+    conn = request.scope.get("state", {}).get("idem_connection")
+    if conn is None:
+        raise RuntimeError("no idempotent transaction for this request: the route is not "
+                           "under IdempotencyMiddleware(transactional=True), or the "
+                           "request has no Idempotency-Key")
+    return conn
 
 
 class _Captured:
@@ -30,19 +56,46 @@ class _Captured:
         return b"".join(self.chunks)
 
 
+def _twice(timeout):
+    """The claim's statement_timeout in transactional mode: its lock_timeout
+    (a transaction holding the key: 409) ends a wait first."""
+    return None if timeout is None else 2 * timeout
+
+
+class _Release(Exception):
+    """Ends the transaction of a response the policy does not store."""
+
+
+class _HandlerFailed(Exception):
+    """Carries the handler's exception out of the transaction it rolls back."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 class IdempotencyMiddleware:
     """ASGI middleware; ``guard`` is an AsyncGuard (or pass ``dsn``).
     Keyword settings: see idem_pg._http.Settings.  ``scope`` gets the ASGI
-    scope and returns the tenant."""
+    scope and returns the tenant.  ``transactional``: see the module doc;
+    the guard's connection (string, pool, factory) gives the request's
+    connection, its ``timeout`` bounds the claim's and the complete's
+    waits (lock_timeout and statement_timeout, + ``wait_for`` for the
+    claim).
+
+    The parsed key is ``request.state.idem_key``; the claim (a Claim, or
+    in transactional mode the AsyncAtomic) ``request.state.idem_claim``.
+    """
 
     def __init__(self, app: Any, guard: Optional[AsyncGuard] = None, *,
-                 dsn: Optional[str] = None, **settings: Any):
+                 dsn: Optional[str] = None, transactional: bool = False, **settings: Any):
         if guard is None:
             if dsn is None:
                 raise TypeError("IdempotencyMiddleware needs guard= or dsn=")
             guard = AsyncGuard(dsn)
         self.app = app
         self.guard = guard
+        self.transactional = transactional
         self.settings = Settings(**settings)
         self._header = self.settings.header.lower().encode("latin-1")
 
@@ -52,14 +105,18 @@ class IdempotencyMiddleware:
                                 for k, v in headers]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
+    async def _send_captured(self, send, captured: _Captured, extra: Headers) -> None:
+        headers = [(k, v) for k, v in captured.headers if k.lower() != "content-length"]
+        headers.append(("content-length", str(len(captured.body))))
+        await self._send(send, captured.status, headers + extra, captured.body)
+
     async def __call__(self, scope, receive, send) -> None:
         s = self.settings
         if scope["type"] != "http" or scope["method"].upper() not in s.methods:
             await self.app(scope, receive, send)
             return
         raw = [v for k, v in scope.get("headers", []) if k.lower() == self._header]
-        key = raw[0].decode("latin-1") if raw else None
-        bad = s.bad_key(key)
+        key, bad = s.key_of(b", ".join(raw).decode("latin-1") if raw else None)
         if bad is not None:
             await self._send(send, *bad)
             return
@@ -83,6 +140,8 @@ class IdempotencyMiddleware:
             path += "?" + scope["query_string"].decode("latin-1")
         fingerprint = s.fingerprint(scope["method"].upper(), path, body)
         tenant = s.scope(scope) if s.scope is not None else None
+        state = scope.setdefault("state", {})
+        state["idem_key"] = key
         captured = _Captured()
 
         async def replay_receive():
@@ -101,25 +160,31 @@ class IdempotencyMiddleware:
             elif message["type"] == "http.response.body":
                 captured.chunks.append(message.get("body", b""))
 
+        if self.transactional:
+            await self._transactional(scope, send, key, fingerprint, tenant, state,
+                                      replay_receive, capture, captured)
+            return
+
         async def handler(claim) -> Response:
+            state["idem_claim"] = claim
             try:
                 await self.app(scope, replay_receive, capture)
             except Exception:
-                if not s.store_server_errors:
+                if not s.stores(500):
                     raise
                 log.exception("idempotent request %r failed; storing a 500", key)
                 captured.status = 500
                 captured.headers = [("content-type", "text/plain; charset=utf-8")]
                 captured.chunks = [b"Internal Server Error"]
-            if captured.status >= 500 and not s.store_server_errors:
+            if not s.stores(captured.status):
                 raise NotStored(captured)
             return Response(captured.status, pack(s.kept(captured.headers), captured.body))
 
         result = await self.guard.do(key, fingerprint, handler, scope=tenant,
-                                     wait_for=s.wait_of(scope))
+                                     wait_for=s.wait_of(scope), not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
             stored = cast(Response, result.response)
-            await self._send(send, *s.replay(stored.status, stored.body))
+            await self._send(send, *s.replay(stored.status, stored.body, result.expires_at))
         elif result.outcome is Outcome.IN_FLIGHT:
             await self._send(send, *s.in_flight(result.lease_left))
         elif result.outcome is Outcome.CONFLICT:
@@ -130,6 +195,83 @@ class IdempotencyMiddleware:
         else:
             if result.failed_step == "handler" and not isinstance(result.error, NotStored):
                 raise cast(BaseException, result.error)   # released; the framework answers 500
-            if result.failed_step == "complete":
-                log.error("response for key %r not stored: %s", key, result.error)
-            await self._send(send, captured.status, captured.headers, captured.body)
+            if result.failed_step == "complete" and not result.not_stored:
+                log.error("response for key %r not stored: %s; the key is in flight "
+                          "until its lease ends", key, result.error)
+            kept = result.failed_step is None
+            await self._send_captured(send, captured,
+                                      s.expires(result.expires_at) if kept else [])
+
+    async def _transactional(self, scope, send, key, fingerprint, tenant, state,
+                             replay_receive, capture, captured: _Captured) -> None:
+        """Claim, handler and stored response in one transaction."""
+        s, g = self.settings, self.guard
+        ran = False
+        row = None
+        expires = None
+        try:
+            async with g._source.connection() as conn:
+                async with atomic_async(conn, key, fingerprint, schema=g.sql.schema,
+                                        lease=g.lease, retention=g.retention,
+                                        scope=g.scope if tenant is None else tenant,
+                                        wait=True, lock_timeout=g.timeout,
+                                        wait_for=s.wait_of(scope) or None,
+                                        timeout=_twice(g.timeout)) as tx:
+                    if not tx.claimed:
+                        row = tx.row
+                    else:
+                        state["idem_connection"], state["idem_claim"] = conn, tx
+                        ran = True
+                        try:
+                            await self.app(scope, replay_receive, capture)
+                        except Exception as exc:
+                            raise _HandlerFailed(exc) from exc
+                        finally:
+                            state.pop("idem_connection", None)
+                        if not s.stores(captured.status):
+                            raise _Release()
+                        expires = await self._complete(conn, tx, key, captured)
+        except _Release:
+            await self._send_captured(send, captured, [])   # rolled back: key free
+            return
+        except _HandlerFailed as failed:
+            raise failed.error              # rolled back; the framework answers 500
+        except (IdemError, psycopg.Error, OSError) as exc:
+            err = translate(exc)
+            if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
+                # the transaction of the first request still holds the key
+                await self._send(send, *s.in_flight(None))
+                return
+            log.warning("idempotent transaction for key %r not done (%s); "
+                        "nothing is committed", key, err)
+            await self._send(send, *s.unavailable())
+            return
+        if row is None:
+            await self._send_captured(send, captured, s.expires(expires))
+        elif row.outcome() is Outcome.REPLAYED:
+            await self._send(send, *s.replay(cast(int, row.status), row.body or b"",
+                                             row.expires_at))
+        elif row.outcome() is Outcome.IN_FLIGHT:
+            await self._send(send, *s.in_flight(row.lease_left))
+        else:
+            await self._send(send, *s.conflict())
+
+    async def _complete(self, conn, tx, key, captured: _Captured):
+        """Store the response (a savepoint); if that fails for good, the
+        fixed "Response not stored" answer instead.  Returns expires_at,
+        or None when the fixed answer was stored."""
+        s = self.settings
+        try:
+            async with conn.transaction():
+                return await tx.complete(captured.status,
+                                         pack(s.kept(captured.headers), captured.body))
+        except (IdemError, psycopg.Error) as exc:
+            err = cast(IdemError, translate(exc))
+            if transient(err):
+                raise
+        nope = s.not_stored
+        async with conn.transaction():
+            await tx.complete(nope.status, nope.body)
+        log.warning("response for key %r not stored (%s: %s); a retry gets %d "
+                    "\"Response not stored\"", key, err.sqlstate, err, nope.status)
+        return None

@@ -27,19 +27,39 @@ import psycopg
 from ._common import (BeginRow, Outcome, Response, Seconds, Statements, check_wait,
                       interval, seconds, wait_seconds)
 from .aio import abort_statement
-from .errors import ClaimNotCompleted, translate
+from .errors import ClaimNotCompleted, not_found, translate
 
-_LOCK_TIMEOUT = ("SELECT pg_catalog.current_setting('lock_timeout'),"
-                 " pg_catalog.set_config('lock_timeout', %s::text, true)")
-_RESTORE = "SELECT pg_catalog.set_config('lock_timeout', %s::text, true)"
+# Bounds for one statement (SET LOCAL; NULL: keep that one), then the
+# values from before.
+_SET_BOUNDS = ("SELECT pg_catalog.current_setting('lock_timeout'),"
+               " pg_catalog.current_setting('statement_timeout'),"
+               " pg_catalog.set_config('lock_timeout', coalesce(%s::text,"
+               " pg_catalog.current_setting('lock_timeout')), true),"
+               " pg_catalog.set_config('statement_timeout', coalesce(%s::text,"
+               " pg_catalog.current_setting('statement_timeout')), true)")
+_RESTORE = ("SELECT pg_catalog.set_config('lock_timeout', %s::text, true),"
+            " pg_catalog.set_config('statement_timeout', %s::text, true)")
+
+
+def _error(exc: BaseException, function: str, st: Statements) -> BaseException:
+    return not_found(translate(exc), function, st.schema)
+
+
+def _bounds(lock_timeout: Optional[float], statement_timeout: Optional[float]):
+    """The parameters of _SET_BOUNDS, or None to leave the session's."""
+    if lock_timeout is None and statement_timeout is None:
+        return None
+    return [_ms(lock_timeout) if lock_timeout is not None else None,
+            _ms(statement_timeout) if statement_timeout is not None else None]
 
 
 class Atomic:
     """The claim inside the caller's transaction."""
 
     def __init__(self, conn, st: Statements, key: str, fingerprint: str,
-                 scope: str, retention: Seconds):
+                 scope: str, retention: Seconds, timeout: Seconds = None):
         self.conn = conn
+        self.timeout = seconds(timeout)
         self._sql = st
         self.key = key
         self.fingerprint = fingerprint
@@ -79,13 +99,21 @@ class Atomic:
                 interval(self.retention if retention is None else retention), self.scope]
 
     def complete(self, status: int, body: Any = b"", *, retention: Seconds = None):
-        """Store the response in this transaction; returns expires_at."""
+        """Store the response in this transaction; returns expires_at.
+        With the block's ``timeout``, the statement runs under it."""
+        args = self._complete_args(status, body, retention)
+        bounds = _bounds(None, self.timeout)
         try:
             with self.conn.cursor() as cur:
-                cur.execute(self._sql.complete, self._complete_args(status, body, retention))
+                if bounds is not None:
+                    cur.execute(_SET_BOUNDS, bounds)
+                    prev = cast(Sequence[Any], cur.fetchone())[:2]
+                cur.execute(self._sql.complete, args)
                 self.expires_at = cur.fetchone()[0]
+                if bounds is not None:
+                    cur.execute(_RESTORE, prev)
         except psycopg.Error as exc:
-            raise translate(exc) from exc
+            raise _error(exc, "idem_complete", self._sql) from exc
         self.completed = True
         return self.expires_at
 
@@ -93,12 +121,19 @@ class Atomic:
 class AsyncAtomic(Atomic):
     async def complete(self, status: int, body: Any = b"", *,  # type: ignore[override]
                        retention: Seconds = None):
+        args = self._complete_args(status, body, retention)
+        bounds = _bounds(None, self.timeout)
         try:
             async with self.conn.cursor() as cur:
-                await cur.execute(self._sql.complete, self._complete_args(status, body, retention))
+                if bounds is not None:
+                    await cur.execute(_SET_BOUNDS, bounds)
+                    prev = cast(Sequence[Any], await cur.fetchone())[:2]
+                await cur.execute(self._sql.complete, args)
                 self.expires_at = (await cur.fetchone())[0]
+                if bounds is not None:
+                    await cur.execute(_RESTORE, prev)
         except psycopg.Error as exc:
-            raise translate(exc) from exc
+            raise _error(exc, "idem_complete", self._sql) from exc
         self.completed = True
         return self.expires_at
 
@@ -109,46 +144,51 @@ def _ms(value: Seconds) -> str:
 
 def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
            retention: Seconds, scope: str, wait: bool, lock_timeout: Seconds,
-           wait_for: Seconds):
-    """The claim statement, its parameters and the lock_timeout to set for
-    it (None: leave the session's).  A wait for the holder's answer ends
-    at wait_for on the server, so lock_timeout is counted on top of it."""
+           wait_for: Seconds, timeout: Seconds):
+    """The claim statement, its parameters and the bounds to set for it
+    (None: leave the session's).  A wait for the holder's answer ends at
+    wait_for on the server, so lock_timeout and timeout (statement_timeout)
+    are counted on top of it."""
     check_wait(wait, wait_for)
-    w = wait_seconds(wait_for)
+    w = wait_seconds(wait_for) or 0.0
     params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
-    lt = None if lock_timeout is None else cast(float, seconds(lock_timeout)) + (w or 0.0)
+    bounds = _bounds(None if lock_timeout is None else cast(float, seconds(lock_timeout)) + w,
+                     None if timeout is None else cast(float, seconds(timeout)) + w)
     if w:
-        return st.begin_wait, params + [interval(w)], lt
-    return st.begin, params, lt
+        return st.begin_wait, params + [interval(w)], bounds
+    return st.begin, params, bounds
 
 
 @contextlib.contextmanager
 def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
            schema: str = "public", lease: Seconds = None, retention: Seconds = None,
            scope: str = "", wait: bool = True, lock_timeout: Seconds = None,
-           wait_for: Seconds = None) -> Iterator[Atomic]:
+           wait_for: Seconds = None, timeout: Seconds = None) -> Iterator[Atomic]:
     """Claim ``key`` in a transaction on ``conn`` (see the module doc).
     ``lock_timeout`` bounds the wait for another transaction holding the
     key (Timeout, 55P03), and is restored after the claim; with
     ``wait_for`` (seconds) the claim is given lock_timeout + wait_for.
-    The session's statement_timeout still ends any wait (Timeout)."""
+    ``timeout`` is a statement_timeout for the claim (+ wait_for) and for
+    complete(), also restored after each: the block's own statements run
+    under the session's.  Without it, the session's statement_timeout
+    still ends any wait (Timeout)."""
     st = Statements(schema)
-    query, params, lt = _begin(st, key, fingerprint, lease, retention, scope, wait,
-                               lock_timeout, wait_for)
+    query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
+                                   lock_timeout, wait_for, timeout)
     with conn.transaction():
-        tx = Atomic(conn, st, key, fingerprint, scope, retention)
+        tx = Atomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
             with conn.cursor() as cur:
                 prev = None
-                if lt is not None:
-                    cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
-                    prev = cast(Sequence[Any], cur.fetchone())[0]
+                if bounds is not None:
+                    cur.execute(_SET_BOUNDS, bounds)
+                    prev = cast(Sequence[Any], cur.fetchone())[:2]
                 cur.execute(query, params)
                 tx.row = BeginRow.of(cur.fetchone())
                 if prev is not None:
-                    cur.execute(_RESTORE, [prev])
+                    cur.execute(_RESTORE, prev)
         except psycopg.Error as exc:
-            raise translate(exc) from exc
+            raise _error(exc, "idem_begin", st) from exc
         yield tx
         if tx.claimed and not tx.completed:
             raise ClaimNotCompleted("the block claimed %r but did not call complete(): "
@@ -159,31 +199,31 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
 async def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
                        schema: str = "public", lease: Seconds = None,
                        retention: Seconds = None, scope: str = "", wait: bool = True,
-                       lock_timeout: Seconds = None,
-                       wait_for: Seconds = None) -> AsyncIterator[AsyncAtomic]:
+                       lock_timeout: Seconds = None, wait_for: Seconds = None,
+                       timeout: Seconds = None) -> AsyncIterator[AsyncAtomic]:
     """asyncio version of atomic().  If the task is cancelled while the
     claim waits, the wait is cancelled on the server and ``conn`` is closed
     (its transaction rolls back): psycopg cannot resume the statement."""
     st = Statements(schema)
-    query, params, lt = _begin(st, key, fingerprint, lease, retention, scope, wait,
-                               lock_timeout, wait_for)
+    query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
+                                   lock_timeout, wait_for, timeout)
     async with conn.transaction():
-        tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention)
+        tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
             async with conn.cursor() as cur:
                 prev = None
-                if lt is not None:
-                    await cur.execute(_LOCK_TIMEOUT, [_ms(lt)])
-                    prev = cast(Sequence[Any], await cur.fetchone())[0]
+                if bounds is not None:
+                    await cur.execute(_SET_BOUNDS, bounds)
+                    prev = cast(Sequence[Any], await cur.fetchone())[:2]
                 await cur.execute(query, params)
                 tx.row = BeginRow.of(await cur.fetchone())
                 if prev is not None:
-                    await cur.execute(_RESTORE, [prev])
+                    await cur.execute(_RESTORE, prev)
         except asyncio.CancelledError:
             await asyncio.shield(abort_statement(conn))
             raise
         except psycopg.Error as exc:
-            raise translate(exc) from exc
+            raise _error(exc, "idem_begin", st) from exc
         yield tx
         if tx.claimed and not tx.completed:
             raise ClaimNotCompleted("the block claimed %r but did not call complete(): "

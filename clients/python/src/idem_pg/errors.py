@@ -77,7 +77,13 @@ class ClaimNotCompleted(IdemError, RuntimeError):
 
 
 class InjectedFault(IdemError):
-    """Raised by a fault hook (tests and drills), like the Go store's Fault."""
+    """Raised by a fault hook (tests and drills), like the Go store's Fault;
+    ``sqlstate`` is the code it plays (None: a lost connection)."""
+
+
+class FunctionNotFound(IdemError):
+    """42883 or 3F000: an idem function (or its schema) is not where the
+    client looked; the message names both and the ``schema=`` option."""
 
 
 _BY_STATE = {
@@ -95,6 +101,46 @@ _BY_STATE = {
 }
 
 CLAIM_GONE = (TokenSuperseded, NoLiveClaim, AlreadyCompleted)
+
+
+# Failures of idem_complete that a retry of the same call may get past, or
+# where the key is no longer this caller's: the guard does not store the
+# "Response not stored" answer in their place.
+_TRANSIENT_STATES = frozenset(("40001", "40P01", "55P03", "57014", "57P01", "57P02",
+                               "57P03", "ID002", "ID003", "42501"))
+_TRANSIENT_CLASSES = ("08", "53")
+
+
+def transient(exc: BaseException) -> bool:
+    """True if ``exc`` (raised by a call such as idem_complete) may not
+    happen again, or says the key is not the caller's any more: a lost
+    connection, a serialization failure, a deadlock, a timeout, a shutdown,
+    a lack of resources, a superseded or missing claim, no privilege.  An
+    error with no SQLSTATE (the connection, a pool) counts as transient."""
+    state = getattr(exc, "sqlstate", None)
+    if state is None:
+        cause = exc.__cause__
+        state = getattr(cause, "sqlstate", None) if cause is not None else None
+    if state is None:
+        return True
+    return state in _TRANSIENT_STATES or state[:2] in _TRANSIENT_CLASSES
+
+
+def not_found(exc: BaseException, function: str, schema: str) -> BaseException:
+    """``exc`` as FunctionNotFound when it is 42883 or 3F000, naming the
+    function and the schema looked in; else ``exc``."""
+    state = getattr(exc, "sqlstate", None)
+    if state not in ("42883", "3F000") or isinstance(exc, FunctionNotFound):
+        return exc
+    what = "%s.%s" % (schema, function)
+    first = (str(exc).strip().splitlines() or [state])[0]
+    err = FunctionNotFound(
+        "%s not found (%s: %s): is the idem extension installed, and up to date, in "
+        "schema %r of this database? Pass schema= (the schema of CREATE EXTENSION "
+        "idem) to the guard, atomic() or the middleware's guard"
+        % (what, state, first, schema), sqlstate=state)
+    err.__cause__ = exc
+    return err
 
 
 def translate(exc: BaseException) -> BaseException:

@@ -24,10 +24,11 @@ from typing import Any, Callable, Iterator, Optional, cast
 import psycopg
 from psycopg import pq
 
-from ._common import (BeginRow, Claim, Outcome, Response, Result, Seconds,
+from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
                       Statements, as_response, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
-from .errors import CLAIM_GONE, Unavailable, translate
+from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
+                     transient)
 
 try:
     from psycopg_pool import ConnectionPool
@@ -245,7 +246,7 @@ class Guard:
             with self._source.connection() as conn:
                 return self._exec(conn, query, params, on_row, offset_s, extra)
         except Exception as exc:
-            mapped = translate(exc)
+            mapped = not_found(translate(exc), self.sql.functions.get(op, op), self.sql.schema)
             if mapped is exc:
                 raise
             raise mapped from exc
@@ -319,13 +320,35 @@ class Guard:
             if result.error is None:
                 result.error = exc
 
+    def _store_not_stored(self, result: Result, key: str, fingerprint: str, token: int,
+                          retention: Seconds, scope: str, answer: Response) -> None:
+        """The handler ran and its response cannot be stored: store the
+        fixed answer instead, so that a retry gets it and never runs the
+        handler again."""
+        try:
+            result.expires_at = self.complete(key, fingerprint, answer.status, answer.body,
+                                              token, retention=retention, scope=scope)
+        except Exception as exc:  # noqa: BLE001 - left to the lease
+            log.error("response for key %r not stored (%s), nor the %d in its place (%s): "
+                      "the key stays in flight until its lease ends",
+                      key, result.error, answer.status, translate(exc))
+            return
+        result.not_stored = True
+        log.warning("response for key %r not stored (%s: %s); a retry gets %d "
+                    "\"Response not stored\"", key, getattr(result.error, "sqlstate", None),
+                    result.error, answer.status)
+
     def do(self, key: str, fingerprint: str, handler: Callable[[Claim], Any], *,
            scope: Optional[str] = None, lease: Seconds = None,
            retention: Seconds = None, wait: Optional[bool] = None,
-           wait_for: Seconds = None) -> Result:
+           wait_for: Seconds = None,
+           not_stored: Response = NOT_STORED) -> Result:
         """Claim ``key``; replay, refuse, or run ``handler(claim)`` and store
         the Response it returns.  Never raises for the store: see Result.
-        ``wait_for`` overrides the guard's for this call (0: no wait)."""
+        ``wait_for`` overrides the guard's for this call (0: no wait).
+        If idem_complete fails for a reason a retry cannot fix (see
+        errors.transient), ``not_stored`` (a 500 "Response not stored") is
+        stored in the response's place and a WARNING logged."""
         scope = self.scope if scope is None else scope
         lease = self.lease if lease is None else lease
         retention = self.retention if retention is None else retention
@@ -343,6 +366,8 @@ class Guard:
             result.response = row.response()
             if outcome is Outcome.IN_FLIGHT:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
+            elif outcome is Outcome.REPLAYED:
+                result.expires_at = row.expires_at
             return result
 
         token = cast(int, row.token)  # an executed claim has its token
@@ -380,9 +405,14 @@ class Guard:
 
         result.response = resp
         try:
-            self.complete(key, fingerprint, resp.status, resp.body, token,
-                          retention=retention, scope=scope)
+            result.expires_at = self.complete(key, fingerprint, resp.status, resp.body,
+                                      token, retention=retention, scope=scope)
         except Exception as exc:  # noqa: BLE001 - executed, not stored
             result.error = translate(exc)
             result.failed_step = "complete"
+            # (a key completed already is not claimable: nothing to store)
+            if not transient(result.error) and not isinstance(result.error,
+                                                              AlreadyCompleted):
+                self._store_not_stored(result, key, fingerprint, token, retention,
+                                       scope, not_stored)
         return result

@@ -2,7 +2,13 @@
 
     app.wsgi_app = IdempotencyWSGIMiddleware(app.wsgi_app, guard=Guard(DSN))
 
-The request body and the response are buffered.
+The request body and the response are buffered.  The behaviour is
+doc/http.md's.
+
+``transactional=True`` runs the handler inside the transaction that holds
+the claim, on the connection ``environ["idem_pg.connection"]`` (Flask:
+``g.idem_connection``); the claim, the handler's writes and the stored
+response commit together before the response is sent.
 """
 
 from __future__ import annotations
@@ -11,8 +17,12 @@ import io
 import logging
 from typing import Any, Optional
 
+import psycopg
+
 from ._common import Outcome, Response
 from ._http import NotStored, Settings, pack
+from .atomic import atomic
+from .errors import IdemError, Timeout, transient, translate
 from .guard import Guard
 
 log = logging.getLogger("idem_pg")
@@ -20,6 +30,11 @@ log = logging.getLogger("idem_pg")
 _REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 409: "Conflict",
             422: "Unprocessable Entity", 500: "Internal Server Error",
             503: "Service Unavailable"}
+
+# What the middleware puts in the environ; a Flask app gets them in g too.
+ENVIRON_KEY = "idem_pg.key"
+ENVIRON_CLAIM = "idem_pg.claim"
+ENVIRON_CONNECTION = "idem_pg.connection"
 
 
 def _status_line(status: int) -> str:
@@ -30,32 +45,85 @@ def _status_line(status: int) -> str:
         return "%d %s" % (status, _REASONS.get(status, "Unknown"))
 
 
+def _flask_hook(app: Any) -> None:
+    """When ``app`` is a Flask app's wsgi_app, copy what the middleware
+    found into ``g`` (idem_key, idem_claim, idem_connection) before each
+    request."""
+    flask_app = getattr(app, "__self__", None)
+    if flask_app is None or not hasattr(flask_app, "before_request") \
+            or not hasattr(flask_app, "app_context"):
+        return
+
+    def copy_to_g() -> None:
+        from flask import g, request
+        environ = request.environ
+        if ENVIRON_KEY in environ:
+            g.idem_key = environ[ENVIRON_KEY]
+            g.idem_claim = environ.get(ENVIRON_CLAIM)
+            g.idem_connection = environ.get(ENVIRON_CONNECTION)
+
+    flask_app.before_request(copy_to_g)
+
+
+def _twice(timeout):
+    """The claim's statement_timeout in transactional mode: its lock_timeout
+    (a transaction holding the key: 409) ends a wait first."""
+    return None if timeout is None else 2 * timeout
+
+
+class _Release(Exception):
+    """Ends the transaction of a response the policy does not store."""
+
+
+class _HandlerFailed(Exception):
+    """Carries the handler's exception out of the transaction it rolls back."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 class IdempotencyWSGIMiddleware:
     """WSGI middleware; ``guard`` is a Guard (or pass ``dsn``).  ``scope``
-    gets the WSGI environ and returns the tenant."""
+    gets the WSGI environ and returns the tenant.  ``transactional``: see
+    the module doc; the guard's connection (string, pool, factory) gives
+    the request's connection, its ``timeout`` bounds the claim's and the
+    complete's waits (lock_timeout and statement_timeout, + ``wait_for``
+    for the claim).
+
+    The parsed key is ``environ["idem_pg.key"]`` (Flask: ``g.idem_key``),
+    the claim ``environ["idem_pg.claim"]`` (``g.idem_claim``).
+    """
 
     def __init__(self, app: Any, guard: Optional[Guard] = None, *,
-                 dsn: Optional[str] = None, **settings: Any):
+                 dsn: Optional[str] = None, transactional: bool = False, **settings: Any):
         if guard is None:
             if dsn is None:
                 raise TypeError("IdempotencyWSGIMiddleware needs guard= or dsn=")
             guard = Guard(dsn)
         self.app = app
         self.guard = guard
+        self.transactional = transactional
         self.settings = Settings(**settings)
         self._environ_key = "HTTP_" + self.settings.header.upper().replace("-", "_")
+        _flask_hook(app)
 
     @staticmethod
     def _reply(start_response, status: int, headers, body: bytes):
         start_response(_status_line(status), list(headers))
         return [body]
 
+    def _reply_captured(self, start_response, captured, extra):
+        headers = [(k, v) for k, v in captured["headers"] if k.lower() != "content-length"]
+        headers.append(("Content-Length", str(len(captured["body"]))))
+        return self._reply(start_response, captured["status"], headers + extra,
+                           captured["body"])
+
     def __call__(self, environ, start_response):
         s = self.settings
         if environ.get("REQUEST_METHOD", "GET").upper() not in s.methods:
             return self.app(environ, start_response)
-        key = environ.get(self._environ_key)
-        bad = s.bad_key(key)
+        key, bad = s.key_of(environ.get(self._environ_key))
         if bad is not None:
             return self._reply(start_response, *bad)
         if key is None:
@@ -75,6 +143,7 @@ class IdempotencyWSGIMiddleware:
             path += "?" + environ["QUERY_STRING"]
         fingerprint = s.fingerprint(method, path, body)
         tenant = s.scope(environ) if s.scope is not None else None
+        environ[ENVIRON_KEY] = key
         captured = {"status": 500, "headers": [], "body": b""}
 
         def start(status, headers, exc_info=None):
@@ -82,29 +151,38 @@ class IdempotencyWSGIMiddleware:
             captured["headers"] = [(k, v) for k, v in headers]
             return lambda data: captured.setdefault("written", []).append(data)
 
-        def handler(claim) -> Response:
+        def run_app() -> None:
+            it = self.app(environ, start)
             try:
-                it = self.app(environ, start)
-                try:
-                    captured["body"] = b"".join(captured.pop("written", [])) + b"".join(it)
-                finally:
-                    if hasattr(it, "close"):
-                        it.close()
+                captured["body"] = b"".join(captured.pop("written", [])) + b"".join(it)
+            finally:
+                if hasattr(it, "close"):
+                    it.close()
+
+        if self.transactional:
+            return self._transactional(environ, start_response, key, fingerprint, tenant,
+                                       run_app, captured)
+
+        def handler(claim) -> Response:
+            environ[ENVIRON_CLAIM] = claim
+            try:
+                run_app()
             except Exception:
-                if not s.store_server_errors:
+                if not s.stores(500):
                     raise
                 log.exception("idempotent request %r failed; storing a 500", key)
                 captured.update(status=500, body=b"Internal Server Error",
                                 headers=[("Content-Type", "text/plain; charset=utf-8")])
-            if captured["status"] >= 500 and not s.store_server_errors:
+            if not s.stores(captured["status"]):
                 raise NotStored(captured)
             return Response(captured["status"], pack(s.kept(captured["headers"]), captured["body"]))
 
         result = self.guard.do(key, fingerprint, handler, scope=tenant,
-                               wait_for=s.wait_of(environ))
+                               wait_for=s.wait_of(environ), not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
             return self._reply(start_response, *s.replay(result.response.status,
-                                                         result.response.body))
+                                                         result.response.body,
+                                                         result.expires_at))
         if result.outcome is Outcome.IN_FLIGHT:
             return self._reply(start_response, *s.in_flight(result.lease_left))
         if result.outcome is Outcome.CONFLICT:
@@ -114,8 +192,77 @@ class IdempotencyWSGIMiddleware:
             return self._reply(start_response, *s.unavailable())
         if result.failed_step == "handler" and not isinstance(result.error, NotStored):
             raise result.error
-        if result.failed_step == "complete":
-            log.error("response for key %r not stored: %s", key, result.error)
-        headers = [(k, v) for k, v in captured["headers"] if k.lower() != "content-length"]
-        headers.append(("Content-Length", str(len(captured["body"]))))
-        return self._reply(start_response, captured["status"], headers, captured["body"])
+        if result.failed_step == "complete" and not result.not_stored:
+            log.error("response for key %r not stored: %s; the key is in flight "
+                      "until its lease ends", key, result.error)
+        stored = result.failed_step is None
+        return self._reply_captured(start_response, captured,
+                                    s.expires(result.expires_at) if stored else [])
+
+    def _transactional(self, environ, start_response, key, fingerprint, tenant,
+                       run_app, captured):
+        """Claim, handler and stored response in one transaction."""
+        s, g = self.settings, self.guard
+        ran = False
+        row = None
+        expires = None
+        try:
+            with g._source.connection() as conn:
+                with atomic(conn, key, fingerprint, schema=g.sql.schema, lease=g.lease,
+                            retention=g.retention, scope=g.scope if tenant is None else tenant,
+                            wait=True, lock_timeout=g.timeout,
+                            wait_for=s.wait_of(environ) or None, timeout=_twice(g.timeout)) as tx:
+                    if not tx.claimed:
+                        row = tx.row
+                    else:
+                        environ[ENVIRON_CONNECTION], environ[ENVIRON_CLAIM] = conn, tx
+                        ran = True
+                        try:
+                            run_app()
+                        except Exception as exc:
+                            raise _HandlerFailed(exc) from exc
+                        finally:
+                            environ.pop(ENVIRON_CONNECTION, None)
+                        if not s.stores(captured["status"]):
+                            raise _Release()
+                        expires = self._complete(conn, tx, key, captured)
+        except _Release:
+            return self._reply_captured(start_response, captured, [])  # rolled back
+        except _HandlerFailed as failed:
+            raise failed.error              # rolled back; the server answers 500
+        except (IdemError, psycopg.Error, OSError) as exc:
+            err = translate(exc)
+            if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
+                # the transaction of the first request still holds the key
+                return self._reply(start_response, *s.in_flight(None))
+            log.warning("idempotent transaction for key %r not done (%s); "
+                        "nothing is committed", key, err)
+            return self._reply(start_response, *s.unavailable())
+        if row is None:
+            return self._reply_captured(start_response, captured, s.expires(expires))
+        if row.outcome() is Outcome.REPLAYED:
+            return self._reply(start_response, *s.replay(row.status, row.body or b"",
+                                                         row.expires_at))
+        if row.outcome() is Outcome.IN_FLIGHT:
+            return self._reply(start_response, *s.in_flight(row.lease_left))
+        return self._reply(start_response, *s.conflict())
+
+    def _complete(self, conn, tx, key, captured):
+        """Store the response (a savepoint); if that fails for good, the
+        fixed "Response not stored" answer instead.  Returns expires_at,
+        or None when the fixed answer was stored."""
+        s = self.settings
+        try:
+            with conn.transaction():
+                return tx.complete(captured["status"],
+                                   pack(s.kept(captured["headers"]), captured["body"]))
+        except (IdemError, psycopg.Error) as exc:
+            err = translate(exc)
+            if transient(err):
+                raise
+        nope = s.not_stored
+        with conn.transaction():
+            tx.complete(nope.status, nope.body)
+        log.warning("response for key %r not stored (%s: %s); a retry gets %d "
+                    "\"Response not stored\"", key, err.sqlstate, err, nope.status)
+        return None

@@ -1,0 +1,107 @@
+"""The conformance app of test/http/README.md for ASGI: FastAPI sub-apps,
+each with the middleware and its settings, served by test.sh under
+gunicorn with two uvicorn workers.
+
+  /plain     default mode                 /tx        transactional mode
+  /nowait    default, wait_for 0          /store5xx  5xx and 429 stored
+  /down      a store nobody listens on
+
+IDEM_CONF_DSN is the database (conf_orders), IDEM_CONF_DOWN_DSN the
+dead one.
+"""
+
+import asyncio
+import os
+import signal
+
+import psycopg
+from fastapi import Depends, FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from idem_pg import AsyncGuard
+from idem_pg.asgi import IdempotencyMiddleware, idem_connection
+
+DSN = os.environ["IDEM_CONF_DSN"]
+DOWN_DSN = os.environ["IDEM_CONF_DOWN_DSN"]
+
+
+async def insert(request: Request, route: str, conn=None) -> int:
+    """The handler's write: on the request's transaction when given one,
+    else on a connection of its own (committed at once)."""
+    key = request.state.idem_key
+    q = "INSERT INTO conf_orders (key, route) VALUES (%s, %s) RETURNING id"
+    if conn is not None:
+        cur = await conn.execute(q, [key, route])
+        return (await cur.fetchone())[0]
+    async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as own:
+        cur = await own.execute(q, [key, route])
+        return (await cur.fetchone())[0]
+
+
+async def steer(request: Request) -> None:
+    """X-Conf-Sleep-Ms and X-Conf-Kill, after the insert."""
+    ms = request.headers.get("x-conf-sleep-ms")
+    if ms:
+        await asyncio.sleep(int(ms) / 1000)
+    if request.headers.get("x-conf-kill") == "after-write":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def order(n: int) -> JSONResponse:
+    return JSONResponse({"order": n}, status_code=201,
+                        headers={"Location": "/orders/%d" % n, "ETag": '"%d"' % n})
+
+
+def sub_app(name: str, dsn: str, **settings) -> FastAPI:
+    api = FastAPI()
+    guard = AsyncGuard(dsn, lease=30, retention=3600, timeout=5)
+    api.add_middleware(IdempotencyMiddleware, guard=guard, required=True, **settings)
+    status_route = "store5xx" if name == "store5xx" else "status"
+
+    if settings.get("transactional"):
+        @api.post("/orders")
+        async def tx_orders(request: Request,
+                            conn: psycopg.AsyncConnection = Depends(idem_connection)):
+            n = await insert(request, name, conn)
+            await steer(request)
+            return order(n)
+    else:
+        @api.post("/orders")
+        async def orders(request: Request):
+            n = await insert(request, name)
+            await steer(request)
+            return order(n)
+
+    @api.post("/binary")
+    async def binary(request: Request):
+        await insert(request, "binary")
+        await steer(request)
+        return Response(bytes(range(256)) * 4, media_type="application/octet-stream")
+
+    @api.post("/big")
+    async def big(request: Request):
+        await insert(request, "big")
+        await steer(request)
+        return Response(b"x" * int(request.headers["x-conf-size"]), status_code=201,
+                        media_type="application/octet-stream")
+
+    @api.post("/status/{code}")
+    async def status(request: Request, code: int):
+        await insert(request, status_route)
+        await steer(request)
+        return JSONResponse({"status": code}, status_code=code)
+
+    return api
+
+
+app = FastAPI()
+app.mount("/plain", sub_app("plain", DSN))
+app.mount("/tx", sub_app("tx", DSN, transactional=True))
+app.mount("/nowait", sub_app("nowait", DSN, wait_for=0))
+app.mount("/store5xx", sub_app("store5xx", DSN, store_status=lambda status: True))
+app.mount("/down", sub_app("down", DOWN_DSN))
+
+
+@app.get("/health")
+async def health():
+    return {"ok": True}

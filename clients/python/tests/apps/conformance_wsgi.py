@@ -1,0 +1,98 @@
+"""The conformance app of test/http/README.md for WSGI: Flask apps, each
+with the middleware and its settings, mounted like the ASGI app's and
+served by test.sh under gunicorn with two workers.
+
+IDEM_CONF_DSN is the database (conf_orders), IDEM_CONF_DOWN_DSN the
+dead one.
+"""
+
+import os
+import signal
+import time
+
+import psycopg
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.middleware.dispatcher import DispatcherMiddleware
+
+from idem_pg import Guard
+from idem_pg.wsgi import IdempotencyWSGIMiddleware
+
+DSN = os.environ["IDEM_CONF_DSN"]
+DOWN_DSN = os.environ["IDEM_CONF_DOWN_DSN"]
+
+
+def insert(route: str, conn=None) -> int:
+    """The handler's write: on the request's transaction when given one,
+    else on a connection of its own (committed at once)."""
+    q = "INSERT INTO conf_orders (key, route) VALUES (%s, %s) RETURNING id"
+    if conn is not None:
+        return conn.execute(q, [g.idem_key, route]).fetchone()[0]
+    with psycopg.connect(DSN, autocommit=True) as own:
+        return own.execute(q, [g.idem_key, route]).fetchone()[0]
+
+
+def steer() -> None:
+    """X-Conf-Sleep-Ms and X-Conf-Kill, after the insert."""
+    ms = request.headers.get("X-Conf-Sleep-Ms")
+    if ms:
+        time.sleep(int(ms) / 1000)
+    if request.headers.get("X-Conf-Kill") == "after-write":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def sub_app(name: str, dsn: str, **settings) -> Flask:
+    fl = Flask(name)
+    status_route = "store5xx" if name == "store5xx" else "status"
+
+    @fl.post("/orders")
+    def orders():
+        n = insert(name, g.idem_connection if settings.get("transactional") else None)
+        steer()
+        resp = jsonify({"order": n})
+        resp.status_code = 201
+        resp.headers["Location"] = "/orders/%d" % n
+        resp.headers["ETag"] = '"%d"' % n
+        return resp
+
+    @fl.post("/binary")
+    def binary():
+        insert("binary")
+        steer()
+        return Response(bytes(range(256)) * 4, content_type="application/octet-stream")
+
+    @fl.post("/big")
+    def big():
+        insert("big")
+        steer()
+        return Response(b"x" * int(request.headers["X-Conf-Size"]), status=201,
+                        content_type="application/octet-stream")
+
+    @fl.post("/status/<int:code>")
+    def status(code):
+        insert(status_route)
+        steer()
+        resp = jsonify({"status": code})
+        resp.status_code = code
+        return resp
+
+    guard = Guard(dsn, lease=30, retention=3600, timeout=5)
+    fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=guard, required=True,
+                                            **settings)
+    return fl
+
+
+root = Flask("root")
+
+
+@root.get("/health")
+def health():
+    return jsonify({"ok": True})
+
+
+app = DispatcherMiddleware(root, {
+    "/plain": sub_app("plain", DSN),
+    "/tx": sub_app("tx", DSN, transactional=True),
+    "/nowait": sub_app("nowait", DSN, wait_for=0),
+    "/store5xx": sub_app("store5xx", DSN, store_status=lambda status: True),
+    "/down": sub_app("down", DOWN_DSN),
+})

@@ -1,0 +1,481 @@
+#!/usr/bin/env python3
+"""Check one running app against doc/http.md over real HTTP.
+
+    python3 test/http/conformance.py --url http://127.0.0.1:PORT --dsn 'CONNINFO'
+
+The app serves the routes of test/http/README.md and writes into
+conf_orders in the database of --dsn, which the runner reads with psql
+(a role that may also call idem_lookup: the stack's test superuser).
+Prints one "ok N - name" / "not ok N - name" line per check, then
+"N passed, N failed"; exits 1 on any failure.  Standard library only.
+"""
+
+import argparse
+import datetime
+import email.utils
+import http.client
+import json
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+
+LEASE = 30            # the routes' lease (README), seconds
+RETENTION = 3600      # the routes' retention, seconds
+REPLAYED = "idempotent-replayed"
+NOT_STORED = {
+    "type": "about:blank", "title": "Response not stored", "status": 500,
+    "detail": "The response to the first request with this key was larger than "
+              "idem.max_body_size; it was sent then and is not replayed.",
+}
+IMF_FIXDATE = re.compile(r"^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d "
+                         r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
+                         r"\d{4} \d\d:\d\d:\d\d GMT$")
+
+
+class Failed(Exception):
+    pass
+
+
+def check(cond, what, *detail):
+    if not cond:
+        raise Failed(what + ("" if not detail else ": " + " ".join(repr(d) for d in detail)))
+
+
+class Reply:
+    def __init__(self, status, headers, body):
+        self.status = status
+        self.headers = headers          # lower-case name -> value (last wins)
+        self.body = body
+
+    def header(self, name):
+        return self.headers.get(name.lower())
+
+    def json(self):
+        return json.loads(self.body.decode("utf-8"))
+
+    def __repr__(self):
+        return "<%d %r %r>" % (self.status, self.headers, self.body[:200])
+
+
+class Runner:
+    def __init__(self, url, dsn, psql, schema):
+        u = urllib.parse.urlsplit(url)
+        self.host, self.port = u.hostname, u.port or 80
+        self.dsn = dsn
+        self.psql_bin = psql
+        self.schema = schema
+        self.run_id = uuid.uuid4().hex[:8]
+        self.n = 0
+        self.passed = 0
+        self.failed = 0
+
+    # -- HTTP and SQL ------------------------------------------------------------
+
+    def post(self, path, key=None, body=b"{}", headers=None, raw_key=None, timeout=60):
+        """POST; ``key`` goes as a bare token, ``raw_key`` as given (any bytes
+        http.client lets through: latin-1 text).  Raises on a cut connection."""
+        conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
+        try:
+            conn.putrequest("POST", path, skip_accept_encoding=True)
+            conn.putheader("Content-Type", "application/json")
+            conn.putheader("Content-Length", str(len(body)))
+            if raw_key is not None:
+                conn.putheader("Idempotency-Key", raw_key)
+            elif key is not None:
+                conn.putheader("Idempotency-Key", key)
+            for k, v in (headers or {}).items():
+                conn.putheader(k, v)
+            conn.endheaders(body)
+            r = conn.getresponse()
+            data = r.read()
+            return Reply(r.status, {k.lower(): v for k, v in r.getheaders()}, data)
+        finally:
+            conn.close()
+
+    def sql(self, query, **params):
+        """One value from psql; params are psql variables (:'name')."""
+        args = [self.psql_bin, "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1", "-d", self.dsn]
+        for k, v in params.items():
+            args += ["-v", "%s=%s" % (k, v)]
+        out = subprocess.run(args, input=query + "\n", capture_output=True, text=True,
+                             timeout=60)
+        if out.returncode != 0:
+            raise Failed("psql: %s" % out.stderr.strip())
+        return out.stdout.strip()
+
+    def executions(self, key, route):
+        return int(self.sql("SELECT count(*) FROM conf_orders WHERE key = :'k' AND route = :'r';",
+                            k=key, r=route))
+
+    def key_row(self, key):
+        """(state, seconds until lease_until) of a key, from idem_lookup."""
+        out = self.sql("SELECT state || ' ' || coalesce(extract(epoch FROM lease_until"
+                       " - clock_timestamp())::text, '') FROM \"%s\".idem_lookup(:'k', '');"
+                       % self.schema, k=key)
+        if not out:
+            return None, None
+        state, _, left = out.partition(" ")
+        return state, (float(left) if left else None)
+
+    def key(self, name):
+        return "conf-%s-%s-%s" % (self.run_id, name, uuid.uuid4().hex[:8])
+
+    # -- checks --------------------------------------------------------------------
+
+    def run(self, name, fn):
+        self.n += 1
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - a failed check, reported
+            self.failed += 1
+            print("not ok %d - %s" % (self.n, name))
+            for line in ("%s: %s" % (type(exc).__name__, exc)).splitlines():
+                print("#   " + line)
+        else:
+            self.passed += 1
+            print("ok %d - %s" % (self.n, name))
+        sys.stdout.flush()
+
+    def problem(self, r, status):
+        check(r.status == status, "status", status, r)
+        check((r.header("content-type") or "").startswith("application/problem+json"),
+              "problem+json content-type", r.header("content-type"))
+
+    def expires(self, r):
+        value = r.header("idempotency-expires")
+        check(value is not None and IMF_FIXDATE.match(value), "Idempotency-Expires IMF-fixdate",
+              value)
+        at = email.utils.parsedate_to_datetime(value)
+        now = datetime.datetime.now(datetime.timezone.utc)
+        check(now < at <= now + datetime.timedelta(seconds=RETENTION + 60),
+              "Idempotency-Expires within the retention", value)
+        return value
+
+    def concurrent_retries(self):
+        key = self.key("conc")
+        replies = [None] * 8
+        errors = []
+
+        def one(i):
+            try:
+                replies[i] = self.post("/plain/orders", key, headers={"X-Conf-Sleep-Ms": "300"})
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        check(not errors, "all answered", errors)
+        check([r.status for r in replies] == [201] * 8, "all 201", [r.status for r in replies])
+        check(len({r.body for r in replies}) == 1, "one body", [r.body for r in replies])
+        first = [r for r in replies if r.header(REPLAYED) is None]
+        check(len(first) == 1, "one not replayed", [r.header(REPLAYED) for r in replies])
+        check(all(r.header(REPLAYED) == "true" for r in replies if r is not first[0]),
+              "the others replayed")
+        check(self.executions(key, "plain") == 1, "one execution")
+
+    def replay_fidelity(self):
+        key = self.key("replay")
+        r1 = self.post("/plain/orders", key)
+        check(r1.status == 201, "first 201", r1)
+        order = r1.json()["order"]
+        check(r1.header("location") == "/orders/%d" % order, "Location", r1)
+        check(r1.header("etag") == '"%d"' % order, "ETag", r1)
+        check(r1.header(REPLAYED) is None, "first not replayed", r1)
+        e1 = self.expires(r1)
+        r2 = self.post("/plain/orders", key)
+        check(r2.status == 201 and r2.header(REPLAYED) == "true", "replayed 201", r2)
+        for h in ("location", "etag", "content-type"):
+            check(r2.header(h) == r1.header(h), h, r1.header(h), r2.header(h))
+        check(r2.body == r1.body, "same body", r1.body, r2.body)
+        check(self.expires(r2) == e1, "same Idempotency-Expires", e1,
+              r2.header("idempotency-expires"))
+        check(self.executions(key, "plain") == 1, "one execution")
+
+    def binary_replay(self):
+        key = self.key("bin")
+        expected = bytes(range(256)) * 4
+        r1 = self.post("/plain/binary", key)
+        r2 = self.post("/plain/binary", key)
+        check(r1.status == 200 and r1.body == expected, "first 200 with the bytes", r1)
+        check(r2.status == 200 and r2.header(REPLAYED) == "true", "replayed 200", r2)
+        check(r2.body == expected, "byte-identical replay")
+        check(r2.header("content-type") == "application/octet-stream", "content-type", r2)
+        self.expires(r2)
+        check(self.executions(key, "binary") == 1, "one execution")
+
+    def different_request(self):
+        key = self.key("reuse")
+        r1 = self.post("/plain/orders", key, body=b'{"qty":1}')
+        check(r1.status == 201, "first 201", r1)
+        r2 = self.post("/plain/orders", key, body=b'{"qty":2}')
+        self.problem(r2, 422)
+        check(self.executions(key, "plain") == 1, "one execution")
+
+    def missing_key(self):
+        marker = self.key("nokey")
+        r = self.post("/plain/orders", None, body=json.dumps({"m": marker}).encode())
+        self.problem(r, 400)
+        check(self.sql("SELECT count(*) FROM conf_orders WHERE key IS NULL OR key = '';")
+              == "0", "no execution")
+
+    def bad_keys(self, cases, app_answers):
+        """Each raw header value must get 400 and run nothing.  A control
+        character may be refused by the HTTP server's parser before the app
+        sees it (still 400, not problem+json); the others must come from
+        the middleware."""
+        for raw, marker in cases:
+            r = self.post("/plain/orders", raw_key=raw)
+            if app_answers:
+                self.problem(r, 400)
+            else:
+                check(r.status == 400, "400 for %r" % raw, r)
+            n = self.sql("SELECT count(*) FROM conf_orders WHERE strpos(key, :'m') > 0;", m=marker)
+            check(n == "0", "no execution for %r" % raw, n)
+
+    def control_characters(self):
+        cases = []
+        for ch in ("\x01", "\x7f", "\x1b"):
+            m = self.key("ctl")
+            cases.append((m + ch + "x", m))
+            cases.append(('"' + m + ch + 'x"', m))
+        self.bad_keys(cases, app_answers=False)
+
+    def too_long(self):
+        m = self.key("long")
+        self.bad_keys([(m + "x" * (256 - len(m)), m), ('"%s"' % (m + "y" * (256 - len(m))), m)],
+                      app_answers=True)
+        ok = self.key("max")
+        ok += "z" * (255 - len(ok))
+        r = self.post("/plain/orders", ok)
+        check(r.status == 201, "a 255-byte key is a key", r)
+        check(self.executions(ok, "plain") == 1, "one execution of the 255-byte key")
+
+    def bad_sf_string(self):
+        cases = []
+        for raw in ('"%s', '"%s\\q"', '"%s"x', '"%s\\"', '"%s" "y"', '"%s\xe9"', '%s\xe9'):
+            m = self.key("sf")
+            cases.append((raw % m, m))
+        self.bad_keys(cases, app_answers=True)
+        for raw in ('""', ""):
+            r = self.post("/plain/orders", raw_key=raw)
+            self.problem(r, 400)
+
+    def in_flight_409(self):
+        key = self.key("nowait")
+        first = {}
+
+        def run():
+            try:
+                first["r"] = self.post("/nowait/orders", key, headers={"X-Conf-Sleep-Ms": "5000"})
+            except Exception as exc:  # noqa: BLE001
+                first["error"] = exc
+
+        t = threading.Thread(target=run)
+        t.start()
+        try:
+            for _ in range(600):
+                if self.executions(key, "nowait") == 1:
+                    break
+                time.sleep(0.05)
+            check(self.executions(key, "nowait") == 1, "the first request's handler runs")
+            state, before = self.key_row(key)
+            check(state == "PROCESSING", "the key is in flight", state)
+            r = self.post("/nowait/orders", key)
+            state, after = self.key_row(key)
+        finally:
+            t.join(120)
+        self.problem(r, 409)
+        check(state == "PROCESSING", "still in flight after the 409", state)
+        ra = r.header("retry-after")
+        check(ra is not None and ra.isdigit(), "Retry-After in seconds", ra)
+        ra = int(ra)
+        check(1 <= ra <= LEASE, "Retry-After between 1 and the lease", ra)
+        # between the seconds left of the lease after and before the request
+        check(int(after) <= ra <= int(before) + 2, "Retry-After from lease_until",
+              ra, before, after)
+        check("r" in first and first["r"].status == 201, "the first request 201", first)
+        again = self.post("/nowait/orders", key)
+        check(again.status == 201 and again.header(REPLAYED) == "true", "then replayed", again)
+        check(again.body == first["r"].body, "the first body")
+        check(self.executions(key, "nowait") == 1, "one execution")
+
+    def store_down(self):
+        key = self.key("down")
+        r = self.post("/down/orders", key)
+        self.problem(r, 503)
+        ra = r.header("retry-after")
+        check(ra is not None and ra.isdigit() and int(ra) >= 1, "Retry-After", ra)
+        check(self.executions(key, "down") == 0, "no execution")
+
+    def header_forms(self):
+        key = self.key("forms")
+        r1 = self.post("/plain/orders", raw_key='"%s"' % key)
+        check(r1.status == 201 and r1.header(REPLAYED) is None, "sf-string executes", r1)
+        r2 = self.post("/plain/orders", raw_key=key)
+        check(r2.status == 201 and r2.header(REPLAYED) == "true", "bare token replays", r2)
+        check(r2.body == r1.body, "same body")
+        check(self.executions(key, "plain") == 1, "one execution, the key unquoted")
+        # escapes: "a\"b\\c" is the key a"b\c
+        esc = self.key("esc")
+        parsed = 'q"' + esc + "\\x"
+        r3 = self.post("/plain/orders", raw_key='"q\\"' + esc + '\\\\x"')
+        check(r3.status == 201 and r3.header(REPLAYED) is None, "escaped sf-string executes", r3)
+        r4 = self.post("/plain/orders", raw_key=parsed)
+        check(r4.status == 201 and r4.header(REPLAYED) == "true", "its bare form replays", r4)
+        check(self.executions(parsed, "plain") == 1, "one execution, the key unescaped")
+        # optional whitespace around the value is not part of the key
+        r5 = self.post("/plain/orders", raw_key='  "%s"  ' % key)
+        check(r5.status == 201 and r5.header(REPLAYED) == "true", "OWS ignored", r5)
+
+    def killed(self, route, key):
+        try:
+            r = self.post("/%s/orders" % route, key, headers={"X-Conf-Kill": "after-write"})
+        except (http.client.HTTPException, OSError):
+            return
+        raise Failed("an answer from a killed worker: %r" % r)
+
+    def kill_plain(self):
+        key = self.key("killplain")
+        self.killed("plain", key)
+        check(self.executions(key, "plain") == 1, "the insert is committed")
+        state, _ = self.key_row(key)
+        check(state == "PROCESSING", "the claim stays in flight", state)
+        r = self.post("/plain/orders", key)
+        self.problem(r, 409)
+        check(1 <= int(r.header("retry-after")) <= LEASE, "Retry-After", r)
+        check(self.executions(key, "plain") == 1, "no second execution inside the lease")
+
+    def kill_tx(self):
+        key = self.key("killtx")
+        self.killed("tx", key)
+        check(self.executions(key, "tx") == 0, "the insert is rolled back")
+        r1 = self.post("/tx/orders", key)
+        check(r1.status == 201 and r1.header(REPLAYED) is None, "the retry executes", r1)
+        check(self.executions(key, "tx") == 1, "one execution")
+        order = r1.json()["order"]
+        check(r1.header("location") == "/orders/%d" % order, "Location", r1)
+        self.expires(r1)
+        for _ in range(2):
+            r = self.post("/tx/orders", key)
+            check(r.status == 201 and r.header(REPLAYED) == "true", "later retries replay", r)
+            check(r.body == r1.body, "the same body")
+        check(self.executions(key, "tx") == 1, "still one execution")
+
+    def tx_concurrent(self):
+        key = self.key("txconc")
+        replies = []
+
+        def one():
+            replies.append(self.post("/tx/orders", key, headers={"X-Conf-Sleep-Ms": "300"}))
+
+        threads = [threading.Thread(target=one) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        check([r.status for r in replies] == [201] * 4, "all 201", replies)
+        check(sum(r.header(REPLAYED) is None for r in replies) == 1, "one executed", replies)
+        check(len({r.body for r in replies}) == 1, "one body")
+        check(self.executions(key, "tx") == 1, "one execution")
+
+    def max_body_size(self):
+        size = parse_size(self.sql("SHOW idem.max_body_size;"))
+        key = self.key("max")
+        r1 = self.post("/plain/big", key, headers={"X-Conf-Size": str(size)})
+        check(r1.status == 201 and len(r1.body) == size and r1.body == b"x" * size,
+              "first 201 with %d bytes" % size, r1.status, len(r1.body))
+        r2 = self.post("/plain/big", key, headers={"X-Conf-Size": str(size)})
+        check(r2.status == 201 and r2.header(REPLAYED) == "true", "replayed", r2.status,
+              r2.headers)
+        check(r2.body == r1.body, "the same bytes", len(r2.body))
+        check(r2.header("content-type") == "application/octet-stream", "content-type", r2.headers)
+        check(self.executions(key, "big") == 1, "one execution")
+
+    def over_max_body_size(self):
+        size = parse_size(self.sql("SHOW idem.max_body_size;")) + 1
+        key = self.key("over")
+        r1 = self.post("/plain/big", key, headers={"X-Conf-Size": str(size)})
+        check(r1.status == 201 and r1.body == b"x" * size, "first 201 with %d bytes" % size,
+              r1.status, len(r1.body))
+        r2 = self.post("/plain/big", key, headers={"X-Conf-Size": str(size)})
+        self.problem(r2, 500)
+        check(r2.json() == NOT_STORED, "the Response not stored body", r2.body)
+        check(r2.header(REPLAYED) == "true", "replayed", r2.headers)
+        state, _ = self.key_row(key)
+        check(state == "DONE", "the key is completed", state)
+        check(self.executions(key, "big") == 1, "one execution")
+
+    def policy(self):
+        for path, route, code, stored in (("/plain/status/503", "status", 503, False),
+                                          ("/plain/status/429", "status", 429, False),
+                                          ("/plain/status/500", "status", 500, False),
+                                          ("/plain/status/404", "status", 404, True),
+                                          ("/plain/status/200", "status", 200, True),
+                                          ("/store5xx/status/500", "store5xx", 500, True),
+                                          ("/store5xx/status/429", "store5xx", 429, True)):
+            key = self.key("policy%d" % code)
+            r1 = self.post(path, key)
+            check(r1.status == code and r1.json() == {"status": code}, path + " first", r1)
+            r2 = self.post(path, key)
+            check(r2.status == code and r2.json() == {"status": code}, path + " retry", r2)
+            if stored:
+                check(r2.header(REPLAYED) == "true", path + " replayed", r2)
+                check(self.executions(key, route) == 1, path + " one execution")
+            else:
+                check(r2.header(REPLAYED) is None, path + " run again", r2)
+                check(self.executions(key, route) == 2, path + " two executions")
+
+
+def parse_size(text):
+    """A SHOW of a byte setting ("1MB", "8kB", "100B") in bytes."""
+    m = re.match(r"^(\d+)\s*(B|kB|MB|GB|TB)?$", text.strip())
+    if not m:
+        raise Failed("cannot read idem.max_body_size %r" % text)
+    unit = {None: 1, "B": 1, "kB": 1 << 10, "MB": 1 << 20, "GB": 1 << 30, "TB": 1 << 40}
+    return int(m.group(1)) * unit[m.group(2)]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--url", required=True, help="the app, http://HOST:PORT")
+    p.add_argument("--dsn", required=True, help="libpq conninfo of the app's database")
+    p.add_argument("--psql", default=os.environ.get("PSQL", "psql"), help="psql to run")
+    p.add_argument("--schema", default="public", help="the schema of the idem functions")
+    a = p.parse_args(argv)
+    r = Runner(a.url, a.dsn, a.psql, a.schema)
+    checks = [
+        ("8 concurrent retries: one execution, all 201, the others replayed", r.concurrent_retries),
+        ("replay: status, Location, ETag, content-type, body, Idempotency-Expires",
+         r.replay_fidelity),
+        ("replay of a binary body byte for byte", r.binary_replay),
+        ("422 for the key with another body", r.different_request),
+        ("400 without the key", r.missing_key),
+        ("400 for control characters in the key", r.control_characters),
+        ("400 for a key over 255 bytes; 255 bytes is a key", r.too_long),
+        ("400 for a bad sf-string or an empty key", r.bad_sf_string),
+        ("409 on /nowait with Retry-After from the lease", r.in_flight_409),
+        ("503 with Retry-After on /down and no execution", r.store_down),
+        ("sf-string and bare token are one key", r.header_forms),
+        ("kill mid-handler on /plain: the row stays, the retry gets 409", r.kill_plain),
+        ("kill mid-handler on /tx: no row, the retry executes once, then replays", r.kill_tx),
+        ("4 concurrent retries on /tx: one execution", r.tx_concurrent),
+        ("a body of idem.max_body_size is stored and replayed", r.max_body_size),
+        ("a body one byte larger: 201, then 500 Response not stored", r.over_max_body_size),
+        ("replay policy: 5xx and 429 run again, 404 replays, /store5xx replays", r.policy),
+    ]
+    for name, fn in checks:
+        r.run(name, fn)
+    print("%d passed, %d failed" % (r.passed, r.failed))
+    return 1 if r.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
