@@ -2,9 +2,9 @@
 
 // The Express app of test/http/README.md, which test/http/conformance.py
 // checks over HTTP.  Run as a script: a node:cluster primary with two
-// workers on IDEM_CONF_PORT (127.0.0.1), re-forking any worker that dies;
-// it writes "ready" to the file IDEM_CONF_READY (when set) once both
-// workers listen.  The database is PGHOST/PGPORT/PGUSER/PGDATABASE; its
+// workers on IDEM_CONF_PORT (127.0.0.1; 0 or unset: a free port), re-forking
+// any worker that dies; once both workers listen it writes the port to the
+// file IDEM_CONF_READY (when set) and prints {"port": n}.  The database is PGHOST/PGPORT/PGUSER/PGDATABASE; its
 // table conf_orders is the suite's to create.  SIGTERM stops the workers
 // and the primary.
 
@@ -86,13 +86,30 @@ function createApp(pool, downPool) {
   return app;
 }
 
+/**
+ * Node's HTTP parser answers a request whose header value holds a control
+ * character (0x01, 0x7f, ESC) 400 itself, before Express and the
+ * middleware see it; this makes that 400 a problem+json too.
+ */
+function problemOnClientError(server) {
+  server.on('clientError', (err, socket) => {
+    if (!socket.writable || err.code === 'ECONNRESET') return socket.destroy();
+    const body = JSON.stringify({ type: 'about:blank', title: 'Bad Request', status: 400, detail: err.message });
+    socket.end('HTTP/1.1 400 Bad Request\r\nContent-Type: application/problem+json\r\nConnection: close\r\n' +
+      `Content-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`);
+  });
+  return server;
+}
+
 function primary() {
   let stopping = false;
   let listening = 0;
   const fork = () => {
-    cluster.fork().once('listening', () => {
+    cluster.fork().once('listening', (address) => {
       listening += 1;
-      if (listening === WORKERS && process.env.IDEM_CONF_READY) fs.writeFileSync(process.env.IDEM_CONF_READY, 'ready\n');
+      if (listening !== WORKERS) return;
+      if (process.env.IDEM_CONF_READY) fs.writeFileSync(process.env.IDEM_CONF_READY, `${address.port}\n`);
+      process.stdout.write(`${JSON.stringify({ port: address.port })}\n`);
     });
   };
   cluster.on('exit', () => {
@@ -116,7 +133,7 @@ function worker() {
   // Nothing listens on port 1: connections are refused at once.
   const downPool = new pg.Pool({ host: '127.0.0.1', port: 1, max: 2, connectionTimeoutMillis: 2000 });
   downPool.on('error', () => {});
-  createApp(pool, downPool).listen(Number(process.env.IDEM_CONF_PORT), '127.0.0.1');
+  problemOnClientError(createApp(pool, downPool).listen(Number(process.env.IDEM_CONF_PORT) || 0, '127.0.0.1'));
 }
 
 if (require.main === module) {
@@ -124,4 +141,4 @@ if (require.main === module) {
   else worker();
 }
 
-module.exports = { createApp };
+module.exports = { createApp, problemOnClientError };
