@@ -42,23 +42,100 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 	  FROM idem.keys k;
 
 /*
- * idem_stats() is bound to the C function of its own result type, as
- * pg_stat_statements binds one per API version; the symbol idem_stats
- * stays for databases not yet updated.  The same signature and result
- * type: the function keeps its privileges.
+ * idem_stats() gains not_stored: responses larger than idem.max_body_size,
+ * for which idem_complete stored the fixed "Response not stored" answer.
+ * It is bound to the C function of its result type, as pg_stat_statements
+ * binds one per API version; the symbols idem_stats and idem_stats_1_3
+ * stay for databases not yet updated.  As in the update to 1.3, the
+ * function and its view are created again, the privileges administrators
+ * granted on them are granted again, and their initial privileges are
+ * the owner's alone.
  */
-CREATE OR REPLACE FUNCTION @extschema@.idem_stats(
-	OUT dbid pg_catalog.oid, OUT claims pg_catalog.int8,
-	OUT takeovers pg_catalog.int8, OUT replays pg_catalog.int8,
-	OUT in_flight pg_catalog.int8, OUT conflicts pg_catalog.int8,
-	OUT completes pg_catalog.int8, OUT superseded pg_catalog.int8,
-	OUT releases pg_catalog.int8, OUT purged_rows pg_catalog.int8,
-	OUT purge_runs pg_catalog.int8, OUT last_purge pg_catalog.timestamptz,
-	OUT last_purge_error pg_catalog.text,
-	OUT purge_start_failures pg_catalog.int8)
-RETURNS SETOF record
-AS 'MODULE_PATHNAME', 'idem_stats_1_3'
-LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+DO $$
+DECLARE
+	view_acl	pg_catalog.aclitem[];
+	func_acl	pg_catalog.aclitem[];
+	r			record;
+BEGIN
+	SELECT c.relacl INTO view_acl FROM pg_catalog.pg_class c
+	 WHERE c.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats'::pg_catalog.regclass;
+	SELECT p.proacl INTO func_acl FROM pg_catalog.pg_proc p
+	 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
+
+	DROP VIEW @extschema@.idem_stats;
+	DROP FUNCTION @extschema@.idem_stats();
+
+	CREATE FUNCTION @extschema@.idem_stats(
+		OUT dbid pg_catalog.oid, OUT claims pg_catalog.int8,
+		OUT takeovers pg_catalog.int8, OUT replays pg_catalog.int8,
+		OUT in_flight pg_catalog.int8, OUT conflicts pg_catalog.int8,
+		OUT completes pg_catalog.int8, OUT superseded pg_catalog.int8,
+		OUT releases pg_catalog.int8, OUT purged_rows pg_catalog.int8,
+		OUT purge_runs pg_catalog.int8, OUT last_purge pg_catalog.timestamptz,
+		OUT last_purge_error pg_catalog.text,
+		OUT purge_start_failures pg_catalog.int8,
+		OUT not_stored pg_catalog.int8)
+	RETURNS SETOF record
+	AS 'MODULE_PATHNAME', 'idem_stats_1_4'
+	LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+	CREATE VIEW @extschema@.idem_stats AS
+		SELECT d.datname, s.*
+		  FROM @extschema@.idem_stats() s
+		  LEFT JOIN pg_catalog.pg_database d
+				 ON d.oid OPERATOR(pg_catalog.=) s.dbid;
+
+	FOR r IN
+		SELECT o.object, a.grantee
+		  FROM (SELECT 'FUNCTION @extschema@.idem_stats()' AS object,
+					   p.proowner AS owner, p.proacl AS acl
+				  FROM pg_catalog.pg_proc p
+				 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure
+				UNION ALL
+				SELECT 'TABLE @extschema@.idem_stats', c.relowner, c.relacl
+				  FROM pg_catalog.pg_class c
+				 WHERE c.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats'::pg_catalog.regclass) o
+		 CROSS JOIN LATERAL pg_catalog.aclexplode(o.acl) a
+		 WHERE a.grantee OPERATOR(pg_catalog.<>) o.owner
+	LOOP
+		EXECUTE pg_catalog.format('REVOKE ALL ON %s FROM %s CASCADE', r.object,
+			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END);
+	END LOOP;
+	REVOKE ALL ON FUNCTION @extschema@.idem_stats() FROM PUBLIC;
+	REVOKE ALL ON @extschema@.idem_stats FROM PUBLIC;
+
+	FOR r IN
+		SELECT 'FUNCTION @extschema@.idem_stats()' AS object, a.*
+		  FROM pg_catalog.aclexplode(func_acl) a
+		UNION ALL
+		SELECT 'TABLE @extschema@.idem_stats', a.*
+		  FROM pg_catalog.aclexplode(view_acl) a
+	LOOP
+		CONTINUE WHEN r.grantee OPERATOR(pg_catalog.=) r.grantor;
+		EXECUTE pg_catalog.format('GRANT %s ON %s TO %s%s', r.privilege_type, r.object,
+			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END,
+			CASE WHEN r.is_grantable THEN ' WITH GRANT OPTION' ELSE '' END);
+	END LOOP;
+END
+$$;
+
+UPDATE pg_catalog.pg_init_privs i
+   SET initprivs = ARRAY[pg_catalog.makeaclitem(p.proowner, p.proowner,
+												'EXECUTE', false)]
+  FROM pg_catalog.pg_proc p
+ WHERE i.classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
+   AND i.objoid OPERATOR(pg_catalog.=) p.oid
+   AND i.objsubid OPERATOR(pg_catalog.=) 0
+   AND p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats()'::pg_catalog.regprocedure;
+UPDATE pg_catalog.pg_init_privs i
+   SET initprivs = pg_catalog.acldefault('r', c.relowner)
+  FROM pg_catalog.pg_class c
+ WHERE i.classoid OPERATOR(pg_catalog.=) 'pg_catalog.pg_class'::pg_catalog.regclass
+   AND i.objoid OPERATOR(pg_catalog.=) c.oid
+   AND i.objsubid OPERATOR(pg_catalog.=) 0
+   AND c.oid OPERATOR(pg_catalog.=) '@extschema@.idem_stats'::pg_catalog.regclass;
 
 /*
  * idem_begin gains wait_for: a duplicate of a request whose claim is

@@ -101,9 +101,10 @@ CREATE FUNCTION @extschema@.idem_stats(
 	OUT releases pg_catalog.int8, OUT purged_rows pg_catalog.int8,
 	OUT purge_runs pg_catalog.int8, OUT last_purge pg_catalog.timestamptz,
 	OUT last_purge_error pg_catalog.text,
-	OUT purge_start_failures pg_catalog.int8)
+	OUT purge_start_failures pg_catalog.int8,
+	OUT not_stored pg_catalog.int8)
 RETURNS SETOF record
-AS 'MODULE_PATHNAME', 'idem_stats_1_3'
+AS 'MODULE_PATHNAME', 'idem_stats_1_4'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 
 CREATE VIEW @extschema@.idem_stats AS

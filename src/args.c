@@ -75,7 +75,12 @@ idem_window_end(TimestampTz now, Interval *span, int default_secs,
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must not exceed idem.max_retention", argname),
-				 errdetail("idem.max_retention is %d seconds.",
+				 (span != NULL && span->month != 0 && length <= 2 * max_usecs) ?
+				 errdetail("The %s is %s, %lld seconds from now (a month counts the days of the calendar month it spans); idem.max_retention is %d seconds.",
+						   argname, idem_window_text(span, default_secs, argname),
+						   (long long) (length / USECS_PER_SEC), idem_max_retention) :
+				 errdetail("The %s is %s; idem.max_retention is %d seconds.",
+						   argname, idem_window_text(span, default_secs, argname),
 						   idem_max_retention)));
 
 	end = (span == NULL) ? now + length : idem_add_interval(now, span);
@@ -84,6 +89,19 @@ idem_window_end(TimestampTz now, Interval *span, int default_secs,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("%s must be positive", argname)));
 	return end;
+}
+
+/*
+ * A lease or retention for a message: the interval given, or the setting
+ * it came from with its value in seconds.
+ */
+char *
+idem_window_text(Interval *span, int default_secs, const char *argname)
+{
+	if (span == NULL)
+		return psprintf("idem.default_%s = %d seconds", argname, default_secs);
+	return psprintf("'%s'", DatumGetCString(DirectFunctionCall1(interval_out,
+																 PointerGetDatum(span))));
 }
 
 /* A text argument that must not be NULL. */

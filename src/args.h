@@ -12,6 +12,8 @@
 #include "datatype/timestamp.h"
 
 extern TimestampTz idem_add_interval(TimestampTz ts, Interval *span);
+extern char *idem_window_text(Interval *span, int default_secs,
+							  const char *argname);
 extern TimestampTz idem_window_end(TimestampTz now, Interval *span,
 								   int default_secs, const char *argname);
 extern text *idem_arg_text(FunctionCallInfo fcinfo, int argno,

@@ -543,7 +543,12 @@ idem_begin(PG_FUNCTION_ARGS)
 	if (args.lease_until > args.expires_at)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease must not be longer than retention")));
+				 errmsg("lease must not be longer than retention"),
+				 errdetail("The lease is %s; the retention is %s.",
+						   idem_window_text(args.lease, idem_default_lease, "lease"),
+						   idem_window_text(args.retention, idem_default_retention,
+											"retention")),
+				 errhint("Pass a shorter lease or a longer retention.")));
 	/* wait_for, the seventh argument of the 1.4 overload */
 	args.wait_until = 0;
 	args.lock_wait_until = 0;
@@ -887,9 +892,66 @@ held_call_init(HeldCall *hc, HeldOp op, const char *what,
 }
 
 /*
+ * The HTTP middleware's envelope (doc/http.md): a marker line, the kept
+ * headers as JSON on one line of at most ENVELOPE_MAX_HEAD bytes, then the
+ * body.
+ */
+#define ENVELOPE_MARKER		"idem-http/1\n"
+#define ENVELOPE_MAX_HEAD	65536
+
+/*
+ * The size of a response body that counts against idem.max_body_size: the
+ * bytes after an envelope's header line, or all of them.
+ */
+static Size
+response_size(bytea *body, bool *envelope)
+{
+	const char *data = VARDATA_ANY(body);
+	Size		len = VARSIZE_ANY_EXHDR(body);
+	Size		marker = strlen(ENVELOPE_MARKER);
+	const char *nl;
+
+	*envelope = false;
+	if (len < marker || memcmp(data, ENVELOPE_MARKER, marker) != 0)
+		return len;
+	nl = memchr(data + marker, '\n', Min(len - marker, ENVELOPE_MAX_HEAD));
+	if (nl == NULL)
+		return len;
+	*envelope = true;
+	return len - (Size) (nl + 1 - data);
+}
+
+/*
+ * What is stored instead of a response too large to keep (doc/http.md):
+ * a problem+json body, in an envelope if the response was given in one.
+ */
+static bytea *
+not_stored_body(bool envelope)
+{
+	static const char head[] = ENVELOPE_MARKER
+		"[[\"content-type\",\"application/problem+json\"]]\n";
+	static const char problem[] =
+		"{\"type\":\"about:blank\",\"title\":\"Response not stored\",\"status\":500,"
+		"\"detail\":\"The response to the first request with this key was larger than "
+		"idem.max_body_size; it was sent then and is not replayed.\"}";
+	Size		headlen = envelope ? strlen(head) : 0;
+	Size		len = headlen + strlen(problem);
+	bytea	   *result = (bytea *) palloc(VARHDRSZ + len);
+
+	SET_VARSIZE(result, VARHDRSZ + len);
+	memcpy(VARDATA(result), head, headlen);
+	memcpy(VARDATA(result) + headlen, problem, strlen(problem));
+	return result;
+}
+
+/*
  * idem_complete(key, fingerprint, status, body, token, retention, scope):
  * store the response of a claim.  Without retention the key keeps the
  * window its claim was given.  Returns the new expires_at.
+ *
+ * A body larger than idem.max_body_size is not an error: the work it
+ * answers has been done, and a retry must not do it again.  The fixed
+ * answer of not_stored_body() is stored instead, with a WARNING.
  */
 Datum
 idem_complete(PG_FUNCTION_ARGS)
@@ -897,6 +959,9 @@ idem_complete(PG_FUNCTION_ARGS)
 	HeldCall	hc;
 	KeyValues	kv;
 	Interval   *retention;
+	Size		size = 0;
+	bool		envelope = false;
+	bool		not_stored = false;
 
 	held_call_init(&hc, HELD_COMPLETE, "idem_complete()", fcinfo, 4, 6);
 	hc.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
@@ -910,12 +975,16 @@ idem_complete(PG_FUNCTION_ARGS)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("status must not be negative")));
-	if (hc.body != NULL && VARSIZE_ANY_EXHDR(hc.body) > (Size) idem_max_body_size)
-		ereport(ERROR,
-				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
-				 errmsg("body is too large"),
-				 errdetail("It is %zu bytes; idem.max_body_size is %d.",
-						   (size_t) VARSIZE_ANY_EXHDR(hc.body), idem_max_body_size)));
+	if (hc.body != NULL)
+	{
+		size = response_size(hc.body, &envelope);
+		if (size > (Size) idem_max_body_size)
+		{
+			hc.status = 500;
+			hc.body = not_stored_body(envelope);
+			not_stored = true;
+		}
+	}
 	retention = interval_arg(fcinfo, 5);
 	if (retention != NULL)
 	{
@@ -928,6 +997,17 @@ idem_complete(PG_FUNCTION_ARGS)
 	{
 		idem_stats_count(IDEM_STAT_COMPLETES);
 		idem_waits_note_change(hc.scope, hc.key);
+	}
+	if (not_stored && kv.done)
+	{
+		idem_stats_count(IDEM_STAT_NOT_STORED);
+		ereport(WARNING,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("response to idempotency key \"%s\" not stored: its body is too large",
+						idem_key_for_message(hc.key)),
+				 errdetail("The body is %zu bytes; idem.max_body_size is %d.",
+						   size, idem_max_body_size),
+				 errhint("Status 500 \"Response not stored\" is stored instead and replayed to retries.")));
 	}
 	PG_RETURN_TIMESTAMPTZ(kv.expires_at);
 }

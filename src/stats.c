@@ -38,6 +38,7 @@
 
 PG_FUNCTION_INFO_V1(idem_stats);
 PG_FUNCTION_INFO_V1(idem_stats_1_3);
+PG_FUNCTION_INFO_V1(idem_stats_1_4);
 PG_FUNCTION_INFO_V1(idem_stats_reset);
 
 /* Databases with counters at the same time; more wait for a free slot. */
@@ -45,9 +46,11 @@ PG_FUNCTION_INFO_V1(idem_stats_reset);
 #define IDEM_STATS_ERROR_LEN		256
 
 /* Columns of idem_stats() before 1.3: dbid, the counters, last_purge, error. */
-#define IDEM_STATS_COLS			(IDEM_STAT_NUM + 3)
-/* From 1.3 on, purge_start_failures after them. */
-#define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS + 1)
+#define IDEM_STATS_COLS			(IDEM_STAT_NUM_1_3 + 3)
+/* In 1.3, purge_start_failures after them. */
+#define IDEM_STATS_COLS_1_3		(IDEM_STATS_COLS + 1)
+/* From 1.4 on, not_stored after that. */
+#define IDEM_STATS_MAX_COLS		(IDEM_STATS_COLS_1_3 + 1)
 
 typedef struct IdemDbStats
 {
@@ -503,8 +506,8 @@ require_stats(void)
 
 /*
  * One row per database with counters into the SRF result of fcinfo, with
- * natts columns: IDEM_STATS_COLS up to 1.2, IDEM_STATS_MAX_COLS from 1.3
- * on (purge_start_failures).
+ * natts columns: IDEM_STATS_COLS up to 1.2, IDEM_STATS_COLS_1_3 in 1.3
+ * (purge_start_failures), IDEM_STATS_MAX_COLS from 1.4 on (not_stored).
  */
 static void
 stats_rows(FunctionCallInfo fcinfo, int natts)
@@ -540,14 +543,16 @@ stats_rows(FunctionCallInfo fcinfo, int natts)
 			continue;
 		memset(nulls, false, sizeof(nulls));
 		values[0] = ObjectIdGetDatum(dboid);
-		for (j = 0; j < IDEM_STAT_NUM; j++)
+		for (j = 0; j < IDEM_STAT_NUM_1_3; j++)
 			values[j + 1] = Int64GetDatum((int64) pg_atomic_read_u64(&slot->counters[j]));
-		values[IDEM_STAT_NUM + 1] = TimestampTzGetDatum(slot->last_purge);
-		nulls[IDEM_STAT_NUM + 1] = (slot->last_purge == 0);
-		values[IDEM_STAT_NUM + 2] = error_to_text(slot->last_error);
-		nulls[IDEM_STAT_NUM + 2] = (slot->last_error[0] == '\0');
-		values[IDEM_STAT_NUM + 3] =
+		values[IDEM_STAT_NUM_1_3 + 1] = TimestampTzGetDatum(slot->last_purge);
+		nulls[IDEM_STAT_NUM_1_3 + 1] = (slot->last_purge == 0);
+		values[IDEM_STAT_NUM_1_3 + 2] = error_to_text(slot->last_error);
+		nulls[IDEM_STAT_NUM_1_3 + 2] = (slot->last_error[0] == '\0');
+		values[IDEM_STAT_NUM_1_3 + 3] =
 			Int64GetDatum((int64) pg_atomic_read_u64(&slot->start_failures));
+		values[IDEM_STAT_NUM_1_3 + 4] =
+			Int64GetDatum((int64) pg_atomic_read_u64(&slot->counters[IDEM_STAT_NOT_STORED]));
 		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	}
 	LWLockRelease(stats->lock);
@@ -566,13 +571,23 @@ idem_stats(PG_FUNCTION_ARGS)
 	require_stats();
 	InitMaterializedSRF(fcinfo, 0);
 	stats_rows(fcinfo, rsinfo->setDesc->natts == IDEM_STATS_COLS ?
-			   IDEM_STATS_COLS : IDEM_STATS_MAX_COLS);
+			   IDEM_STATS_COLS : IDEM_STATS_COLS_1_3);
 	return (Datum) 0;
 }
 
-/* idem_stats() from 1.4 on: 14 columns, purge_start_failures last. */
+/* idem_stats() of 1.3 databases bound to it: 14 columns. */
 Datum
 idem_stats_1_3(PG_FUNCTION_ARGS)
+{
+	require_stats();
+	InitMaterializedSRF(fcinfo, 0);
+	stats_rows(fcinfo, IDEM_STATS_COLS_1_3);
+	return (Datum) 0;
+}
+
+/* idem_stats() from 1.4 on: 15 columns, not_stored last. */
+Datum
+idem_stats_1_4(PG_FUNCTION_ARGS)
 {
 	require_stats();
 	InitMaterializedSRF(fcinfo, 0);

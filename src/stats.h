@@ -24,8 +24,12 @@ typedef enum IdemStat
 	IDEM_STAT_RELEASES,
 	IDEM_STAT_PURGED_ROWS,
 	IDEM_STAT_PURGE_RUNS,
+	IDEM_STAT_NOT_STORED,		/* responses too large: a fixed answer stored */
 	IDEM_STAT_NUM
 } IdemStat;
+
+/* The counters idem_stats() had up to 1.3, in its column order. */
+#define IDEM_STAT_NUM_1_3	(IDEM_STAT_PURGE_RUNS + 1)
 
 extern void idem_stats_shmem_init(void);
 extern void idem_stats_add(IdemStat stat, uint64 n);

@@ -378,7 +378,7 @@ foreach my $db (@dbs)
 foreach my $case (
 	'idem_begin 00000', 'idem_begin 22004', 'idem_begin 22023',
 	'idem_begin 22001', 'arguments 22021',
-	'idem_complete 00000', 'idem_complete 54000',
+	'idem_complete 00000',
 	'idem_complete ID002', 'idem_complete ID003', 'idem_complete ID004',
 	'idem_release 00000', 'idem_release ID002', 'idem_release ID004',
 	'idem_extend 00000', 'idem_extend ID003', 'idem_purge 00000',
