@@ -1,7 +1,7 @@
 'use strict';
 
 const crypto = require('node:crypto');
-const { Guard, Outcome } = require('./guard');
+const { Guard, Outcome, withDeadline } = require('./guard');
 const { normalizeOptions } = require('./options');
 const { transaction } = require('./transaction');
 const { NOT_STORED_BODY } = require('./outcome');
@@ -307,15 +307,23 @@ function idempotency(poolOrGuard, options = {}) {
   /** Transactional mode: claim, handler and stored response in one transaction on a pool client. */
   async function inTransaction(req, res, next, key, fp, sc, capture, ctx) {
     // A retry waits for the first request's transaction (its claim is
-    // uncommitted) up to waitFor, then answers 409; waitFor 0: 409 at once.
-    const o = { ...guard.options, ...overrides, scope: sc };
+    // uncommitted: idem_begin's wait_for, for committed claims, does not
+    // apply) up to waitFor, then answers 409; waitFor 0: 409 at once.  The
+    // claim's budget is the guard's: timeout + waitFor.
+    const o = { ...guard.options, ...overrides, scope: sc, waitFor: 0 };
+    if (o.timeout > 0) o.timeout += waitFor;
     if (waitFor > 0) o.lockTimeout = waitFor;
     else o.wait = false;
     let client;
+    const connecting = guard.pool.connect();
     try {
-      client = await guard.pool.connect();
+      client = await withDeadline(connecting, guard.options.timeout,
+        () => connecting.then((c) => c.release(), () => {}), 'connect');
     } catch (err) {
-      return { outcome: Outcome.UNAVAILABLE, error: err, failedStep: 'begin' };
+      return {
+        outcome: Outcome.UNAVAILABLE, response: null, token: null, error: err, failedStep: 'begin', released: false,
+        superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false,
+      };
     }
     let broken = false;
     const result = {

@@ -349,5 +349,5 @@ class Guard {
 // The helpers of options.js and outcome.js stay reachable from here too, as
 // they were before they had modules of their own.
 module.exports = {
-  Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS,
+  Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS, withDeadline,
 };
