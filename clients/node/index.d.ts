@@ -58,6 +58,24 @@ export interface GuardOptions {
   clockOffset?: number | (() => number);
   /** Fault injection for tests, like the reference store's Fault. */
   fault?: FaultHook | null;
+  /** Where a response that was not stored is reported, with its key (default console). */
+  logger?: Logger | null;
+  /**
+   * Stored instead of a response idem_complete refused for a reason a retry cannot fix (any
+   * SQLSTATE but a lost connection, a serialization failure, a deadlock, a timeout, class 53,
+   * or a key that is not the claim's any more); default NOT_STORED: 500, the problem+json
+   * "Response not stored" of doc/http.md.  The middleware stores it in its envelope.
+   */
+  notStored?: Response | null;
+  /**
+   * transaction() only: ms its idem_begin waits for another transaction's uncommitted claim of
+   * the key before a TimeoutError of code 55P03 (default: the whole budget, timeout + waitFor).
+   */
+  lockTimeout?: number | null;
+}
+
+export interface Logger {
+  warn(message: string): void;
 }
 
 export type OutcomeName = 'executed' | 'replayed' | 'in_flight' | 'conflict' | 'unavailable';
@@ -102,6 +120,12 @@ export interface GuardResult {
   extends: number;
   /** Executed: the end of the claim's first lease; in flight: the end of the holder's lease (when the server gave it); otherwise null. */
   leaseUntil: Date | null;
+  /** Until when the stored response is replayed (executed and stored, or replayed); otherwise null. */
+  expiresAt: Date | null;
+  /** failedStep 'complete': the fixed notStored answer was stored instead of the response. */
+  notStored: boolean;
+  /** Why storing the notStored answer failed too, if it did. */
+  notStoredError?: unknown;
 }
 
 export declare class Guard {
@@ -120,6 +144,7 @@ export interface TransactionClaim {
   fingerprint: string;
   scope: string;
   token: bigint;
+  leaseUntil: Date;
   /** The caller's client, inside the transaction: run the business writes on it. */
   client: ClientBase;
 }
@@ -130,6 +155,10 @@ export interface TransactionResult {
   token: bigint | null;
   /** Executed: the claim's lease end; in flight: the holder's (when the server gave it); otherwise null. */
   leaseUntil: Date | null;
+  /** Executed or replayed: until when the stored response is replayed; otherwise null. */
+  expiresAt: Date | null;
+  /** Executed: idem_complete refused the response and the notStored answer was stored instead. */
+  notStored: boolean;
 }
 
 /**
@@ -184,13 +213,24 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   fingerprint?: (req: Request, body: Buffer) => string | Promise<string>;
   /** Scope of the key, e.g. the authenticated tenant (default ''). */
   scope?: (req: Request) => string | Promise<string>;
-  /** Store 5xx answers and thrown errors instead of releasing the key (default false). */
+  /**
+   * The replay policy: true to store and replay an answer of this status (default: every status
+   * but 429 and 5xx, which release the key for a retry).  Per middleware, so per route.
+   */
+  storeStatus?: (status: number) => boolean;
+  /** Store every status, 5xx and thrown errors included: storeStatus: () => true (default false). */
   storeServerErrors?: boolean;
+  /**
+   * Run the handler inside the transaction that holds the claim, on req.idempotency.client (a pool
+   * client): the claim, its writes and the stored response commit together before the answer is
+   * sent (default false).  Needs a pool, or a Guard over one.
+   */
+  transactional?: boolean;
   /** Response headers stored and replayed (default: content-type, content-language, content-encoding, location, etag, cache-control). */
   storedHeaders?: string[];
   /** Header set on a replay, with value 'true' (default 'Idempotent-Replayed'). */
   replayHeader?: string;
-  /** Retry-After seconds on 503, and on 409 when the retry did not wait or the server gave no lease (default 1). */
+  /** Retry-After seconds on 503, and on 409 when the server gave no lease (an uncommitted claim; default 1). */
   retryAfter?: number;
   /**
    * Milliseconds a retry that arrives while the first request with its key runs waits for that
@@ -204,7 +244,7 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   maxKeyLength?: number;
   /** Largest body read by the middleware itself, in bytes (default 1 MiB); larger: 413. */
   limit?: number;
-  /** Called with each guard result. */
+  /** Called with each guard result (in transactional mode, transaction()'s in the same shape). */
   onResult?: (result: GuardResult, req: Request) => void;
 }
 
@@ -216,11 +256,29 @@ export declare function saveRawBody(req: any, res: any, buf: Buffer): void;
 
 export declare function defaultFingerprint(req: Request, body: Buffer): string;
 
+/** The 500 "Response not stored" answer (problem+json body) of doc/http.md. */
+export declare const NOT_STORED: Readonly<{ status: 500; body: Buffer }>;
+
+/**
+ * The Idempotency-Key header's key: an sf-string (with \" and \\ escapes) or a bare token, 1 to
+ * maxLength (255) bytes of printable ASCII; null for anything else (the middleware answers 400).
+ */
+export declare function parseKey(value: string | string[] | undefined, maxLength?: number): string | null;
+
 declare global {
   namespace Express {
     interface Request {
       /** Set by the idempotency middleware while the handler runs under a claim. */
-      idempotency?: { key: string; scope: string; token: bigint; signal: AbortSignal; replayed: boolean };
+      idempotency?: {
+        key: string;
+        scope: string;
+        token: bigint;
+        /** Aborted when the heartbeat finds the claim lost; never in transactional mode. */
+        signal: AbortSignal;
+        replayed: boolean;
+        /** Transactional mode: the pool client inside the claim's transaction. Finish its queries before answering. */
+        client?: PoolClient;
+      };
       /** The raw body bytes, when kept (saveRawBody, or read by the middleware). */
       rawBody?: Buffer;
     }
@@ -248,3 +306,5 @@ export declare class TimeoutError extends UnavailableError {}
 /** The idem error class for any error from pg or the network. */
 export declare function toIdemError(err: unknown): IdemError;
 export declare function isDatabaseError(err: unknown): boolean;
+/** True for a failure a retry of the same call may not repeat (no SQLSTATE, 08xxx, 40001, 40P01, 55P03, 57014, 57P01-57P03, 53xxx). */
+export declare function isTransient(err: unknown): boolean;

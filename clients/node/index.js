@@ -5,12 +5,13 @@
 // statically).
 const {
   IdemError, FingerprintMismatchError, TokenSupersededError, NoClaimError, AlreadyCompletedError,
-  UnavailableError, TimeoutError, toIdemError, isDatabaseError,
+  UnavailableError, TimeoutError, toIdemError, isDatabaseError, isTransient,
 } = require('./lib/errors');
 const { Store } = require('./lib/store');
 const { Guard, Outcome, failTimes } = require('./lib/guard');
 const { transaction } = require('./lib/transaction');
-const { idempotency, saveRawBody, defaultFingerprint } = require('./lib/express');
+const { NOT_STORED } = require('./lib/outcome');
+const { idempotency, saveRawBody, defaultFingerprint, parseKey } = require('./lib/express');
 
 module.exports = {
   Guard,
@@ -21,6 +22,8 @@ module.exports = {
   idempotency,
   saveRawBody,
   defaultFingerprint,
+  parseKey,
+  NOT_STORED,
   IdemError,
   FingerprintMismatchError,
   TokenSupersededError,
@@ -30,4 +33,5 @@ module.exports = {
   TimeoutError,
   toIdemError,
   isDatabaseError,
+  isTransient,
 };

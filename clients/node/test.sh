@@ -6,9 +6,11 @@
 # Installs Debian's nodejs and npm if node or npm is missing (Node 18 or
 # later), the locked npm modules (npm ci), starts a cluster on port 55452
 # (IDEM_NODE_PORT) under /tmp with test/cluster.sh, creates the extension
-# (which must be installed: make && make install), runs node --test and
-# prints "N passed, N failed".  The cluster and any app server the tests
-# started are stopped on exit, also on failure or interrupt.
+# (which must be installed: make && make install), runs node --test, then
+# test/http/conformance.py against test/conformance_app.js and tsc --strict
+# over test/types/example.ts (neither when IDEM_NODE_TESTS picks tests),
+# and prints "N passed, N failed".  The cluster and any app server the
+# tests started are stopped on exit, also on failure or interrupt.
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -30,6 +32,13 @@ cleanup() {
 			sleep 1
 			kill -KILL "-$runner" 2>/dev/null
 		fi
+	fi
+	# The conformance app: its primary and workers (a process group of their own).
+	if [ -s "$work/conf-app.pid" ]; then
+		app=$(cat "$work/conf-app.pid")
+		kill -TERM "-$app" 2>/dev/null || kill -TERM "$app" 2>/dev/null
+		sleep 1
+		kill -KILL "-$app" 2>/dev/null
 	fi
 	while read -r pid; do
 		[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
@@ -98,5 +107,67 @@ cancelled=$(sed -n 's/^# cancelled \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tai
 passed=${passed:-0}
 failed=$(( ${failed:-0} + ${cancelled:-0} ))
 [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ] && failed=1
+
+# The conformance app of test/http/README.md (test/conformance_app.js: two
+# workers under node:cluster, a killed one forked again) on port + 1
+# (IDEM_CONF_PORT), checked by test/http/conformance.py (IDEM_CONFORMANCE
+# names another runner); skipped when the runner is missing.
+runner=${IDEM_CONFORMANCE:-$root/test/http/conformance.py}
+if [ -f "$runner" ] && [ -z "${IDEM_NODE_TESTS:-}" ]; then
+	app_port=${IDEM_CONF_PORT:-$((port + 1))}
+	conf_passed=0
+	conf_failed=1
+	if psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE TABLE conf_orders (id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' \
+		>"$work/conf-psql.log" 2>&1; then
+		IDEM_CONF_PORT=$app_port IDEM_CONF_READY="$work/conf.ready" $newgroup sh -c 'echo $$ >"$0"; exec node test/conformance_app.js' "$work/conf-app.pid" \
+			>"$work/conf-app.log" 2>&1 </dev/null &
+		i=0
+		while [ ! -s "$work/conf.ready" ] && [ "$i" -lt 300 ]; do
+			sleep 0.1
+			i=$((i + 1))
+		done
+		if [ -s "$work/conf.ready" ]; then
+			python3 "$runner" --url "http://127.0.0.1:$app_port" \
+				--dsn "host=$pgdir port=$port user=postgres dbname=postgres" 2>&1 | tee "$work/conf.log"
+			summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/conf.log" | tail -n 1)
+			if [ -n "$summary" ]; then
+				conf_passed=${summary%% passed*}
+				conf_failed=${summary#*passed, }
+				conf_failed=${conf_failed%% failed}
+			fi
+		else
+			echo "test.sh: the conformance app did not start" >&2
+			cat "$work/conf-app.log" >&2
+		fi
+	else
+		cat "$work/conf-psql.log" >&2
+	fi
+	echo "conformance: $conf_passed passed, $conf_failed failed"
+	passed=$((passed + conf_passed))
+	failed=$((failed + conf_failed))
+fi
+
+# The types: a scratch project installs this package as npm would
+# (--install-links) with typescript, @types/express and @types/pg, and
+# compiles test/types/example.ts (the middleware, the guard, transactional
+# mode) with tsc --strict.  One test.
+if [ -z "${IDEM_NODE_TESTS:-}" ]; then
+	ts="$work/ts"
+	mkdir -p "$ts"
+	cp "$here/test/types/example.ts" "$ts/example.ts"
+	if (cd "$ts" && echo '{"name":"idem-pg-types-check","private":true}' >package.json &&
+		npm install --install-links --prefer-offline --no-audit --no-fund --loglevel=error \
+			"$here" typescript @types/express @types/pg express pg &&
+		npx --no-install tsc --strict --noEmit --esModuleInterop --module commonjs --target es2020 example.ts) \
+		>"$work/tsc.log" 2>&1; then
+		echo "ok - tsc --strict compiles test/types/example.ts against the installed package"
+		passed=$((passed + 1))
+	else
+		cat "$work/tsc.log" >&2
+		echo "not ok - tsc --strict compiles test/types/example.ts against the installed package"
+		failed=$((failed + 1))
+	fi
+fi
+
 echo "$passed passed, $failed failed"
 [ "$rc" -eq 0 ] && [ "$failed" -eq 0 ]

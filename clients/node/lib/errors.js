@@ -64,6 +64,37 @@ function toIdemError(err) {
   return new UnavailableError(message || 'idem store unavailable', { cause: err });
 }
 
+/**
+ * True for a failure a retry of the same call may not repeat: no SQLSTATE
+ * (the connection, the client's deadline), class 08 (connection), 40001
+ * and 40P01 (serialization failure, deadlock), 55P03 and 57014 (lock and
+ * statement timeouts, cancel), 57P01-57P03 (shutdown, crash recovery),
+ * class 53 (the server's resources).
+ */
+function isTransient(err) {
+  const code = err != null && typeof err.code === 'string' && /^[0-9A-Z]{5}$/.test(err.code) ? err.code : null;
+  if (code === null) return true;
+  return code.startsWith('08') || code.startsWith('53') ||
+    ['40001', '40P01', '55P03', '57014', '57P01', '57P02', '57P03'].includes(code);
+}
+
+/**
+ * SQLSTATEs of an idem_complete refused because the key is no longer the
+ * caller's (superseded, no claim, another role's claim) or is stored
+ * already: there is nothing left to store for it.
+ */
+const NOT_OURS = new Set(['ID002', 'ID003', 'ID004', '42501']);
+
+/**
+ * True when an idem_complete failed for good with the key still claimed by
+ * the caller (a data error, a body too large for the server): the caller
+ * stores the fixed "Response not stored" answer instead, so the key is
+ * never claimable again after its handler ran.
+ */
+function storesNotStored(err) {
+  return !isTransient(err) && !NOT_OURS.has(err.code);
+}
+
 module.exports = {
   IdemError,
   FingerprintMismatchError,
@@ -74,4 +105,6 @@ module.exports = {
   TimeoutError,
   toIdemError,
   isDatabaseError,
+  isTransient,
+  storesNotStored,
 };

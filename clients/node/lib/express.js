@@ -1,55 +1,90 @@
 'use strict';
 
 const crypto = require('node:crypto');
-const { Guard, Outcome } = require('./guard');
+const { Guard, Outcome, withDeadline } = require('./guard');
 const { normalizeOptions } = require('./options');
+const { transaction } = require('./transaction');
+const { NOT_STORED_BODY } = require('./outcome');
+const { IdemError, UnavailableError, TimeoutError } = require('./errors');
 
 /*
  * Express middleware for the Idempotency-Key header
- * (draft-ietf-httpapi-idempotency-key-header) over a Guard.
+ * (draft-ietf-httpapi-idempotency-key-header) over a Guard, or in
+ * transactional mode over transaction().  The behaviour is doc/http.md's.
  *
  * Stored per key: the response's status, the headers listed in
- * storedHeaders and the body, in one bytea (an envelope: a marker line,
- * the headers as JSON, then the body bytes).
+ * storedHeaders and the body, in one bytea (the envelope: a marker line,
+ * the headers as a JSON array of [name, value] pairs, then the body bytes).
  */
 
-const ENVELOPE = Buffer.from('IDEMHTTP1\n');
+const ENVELOPE = Buffer.from('idem-http/1\n');
+/** The envelope of responses stored before idem-http/1: headers as a JSON object. */
+const OLD_ENVELOPE = Buffer.from('IDEMHTTP1\n');
 
 const DEFAULT_STORED_HEADERS = ['content-type', 'content-language', 'content-encoding', 'location', 'etag', 'cache-control'];
 
 /** How long a concurrent retry waits for the first request's answer by default (ms). */
 const DEFAULT_WAIT_FOR_MS = 5000;
 
+/** The replay policy of doc/http.md: store unless 429 or 5xx. */
+function defaultStoreStatus(status) {
+  return status !== 429 && status < 500;
+}
+
 /**
  * Retry-After of a 409: the seconds until the holder's lease ends (at least
- * 1) after the retry waited for it; otherwise, or without a lease from the
- * server, the fixed retryAfter.
+ * 1), from the claim's lease_until; without a lease from the server (an
+ * uncommitted claim), the fixed retryAfter.
  */
-function retryAfterSeconds(result, waitFor, retryAfter) {
+function retryAfterSeconds(result, retryAfter) {
   const until = result.leaseUntil;
-  if (!(waitFor > 0) || !(until instanceof Date) || Number.isNaN(until.getTime())) return retryAfter;
+  if (!(until instanceof Date) || Number.isNaN(until.getTime())) return retryAfter;
   return Math.max(1, Math.ceil((until.getTime() - Date.now()) / 1000));
 }
 
+/** headers: [[name, value], ...] (names lower-cased here). */
 function encodeEnvelope(headers, body) {
-  return Buffer.concat([ENVELOPE, Buffer.from(JSON.stringify(headers) + '\n'), body]);
+  const pairs = headers.map(([k, v]) => [String(k).toLowerCase(), String(v)]);
+  return Buffer.concat([ENVELOPE, Buffer.from(JSON.stringify(pairs) + '\n'), Buffer.from(body)]);
 }
 
+/**
+ * { headers: [[name, value], ...], body } of a stored response: the
+ * envelope of doc/http.md, or the IDEMHTTP1 form (headers as an object of
+ * strings or arrays of strings); anything else is all body.
+ */
 function decodeEnvelope(stored) {
   const buf = stored || Buffer.alloc(0);
-  if (buf.length >= ENVELOPE.length && buf.subarray(0, ENVELOPE.length).equals(ENVELOPE)) {
-    const nl = buf.indexOf(0x0a, ENVELOPE.length);
-    if (nl > 0) {
-      try {
-        const headers = JSON.parse(buf.subarray(ENVELOPE.length, nl).toString('utf8'));
-        return { headers, body: buf.subarray(nl + 1) };
-      } catch {
-        // not an envelope after all
-      }
+  for (const marker of [ENVELOPE, OLD_ENVELOPE]) {
+    if (buf.length < marker.length || !buf.subarray(0, marker.length).equals(marker)) continue;
+    const nl = buf.indexOf(0x0a, marker.length);
+    if (nl < 0) break;
+    let parsed;
+    try {
+      parsed = JSON.parse(buf.subarray(marker.length, nl).toString('utf8'));
+    } catch {
+      break; // not an envelope after all
     }
+    const headers = [];
+    if (marker === ENVELOPE && Array.isArray(parsed)) {
+      for (const pair of parsed) if (Array.isArray(pair) && pair.length === 2) headers.push([String(pair[0]), String(pair[1])]);
+    } else if (marker === OLD_ENVELOPE && parsed !== null && typeof parsed === 'object' && !Array.isArray(parsed)) {
+      for (const [k, v] of Object.entries(parsed)) {
+        for (const one of Array.isArray(v) ? v : [v]) headers.push([k.toLowerCase(), String(one)]);
+      }
+    } else {
+      break;
+    }
+    return { headers, body: buf.subarray(nl + 1) };
   }
-  return { headers: {}, body: buf };
+  return { headers: [], body: buf };
 }
+
+/** The fixed answer of doc/http.md in the envelope: what replays get for a response not stored. */
+const NOT_STORED_ENVELOPE = Object.freeze({
+  status: 500,
+  body: encodeEnvelope([['content-type', 'application/problem+json']], Buffer.from(NOT_STORED_BODY)),
+});
 
 /** A verify function for express.json()/raw()/text(): keeps the exact bytes for the fingerprint. */
 function saveRawBody(req, res, buf) {
@@ -98,12 +133,43 @@ function defaultFingerprint(req, body) {
   return h.digest('hex');
 }
 
-/** The key from the header: an sf-string ("...") or a bare token; null if unusable. */
-function parseKey(value, maxLength) {
-  if (Array.isArray(value)) value = value.join(',');
-  let key = String(value).trim();
-  if (key.length >= 2 && key.startsWith('"') && key.endsWith('"')) key = key.slice(1, -1);
-  if (key === '' || Buffer.byteLength(key, 'utf8') > maxLength) return null;
+/**
+ * The key of an Idempotency-Key header value: a Structured Field string
+ * ("..." with \" and \\ escapes) or a bare token; either way 1 to
+ * maxLength bytes of printable ASCII (0x20-0x7e).  null when the value is
+ * none of these: a control character, a byte outside ASCII, an
+ * unterminated or badly escaped sf-string, an empty or too long key.
+ */
+function parseKey(value, maxLength = 255) {
+  if (Array.isArray(value)) value = value.join(', ');
+  if (typeof value !== 'string') return null;
+  const v = value.replace(/^[ \t]+|[ \t]+$/g, ''); // the header's optional whitespace
+  let key = '';
+  if (v.startsWith('"')) {
+    let i = 1;
+    for (;;) {
+      if (i >= v.length) return null; // unterminated
+      const c = v.charCodeAt(i);
+      if (c === 0x5c) { // backslash: only \" and \\ are escapes
+        const n = v[i + 1];
+        if (n !== '"' && n !== '\\') return null;
+        key += n;
+        i += 2;
+      } else if (c === 0x22) {
+        if (i !== v.length - 1) return null; // something after the closing quote
+        break;
+      } else if (c < 0x20 || c > 0x7e) {
+        return null;
+      } else {
+        key += v[i];
+        i += 1;
+      }
+    }
+  } else {
+    if (!/^[\x20-\x7e]*$/.test(v)) return null;
+    key = v;
+  }
+  if (key === '' || key.length > maxLength) return null;
   return key;
 }
 
@@ -112,6 +178,13 @@ function problem(res, status, title, detail, headers = {}) {
   for (const [k, v] of Object.entries(headers)) res.setHeader(k, v);
   res.setHeader('Content-Type', 'application/problem+json');
   res.end(JSON.stringify({ type: 'about:blank', title, status, detail }));
+}
+
+/** Idempotency-Expires: the HTTP date (IMF-fixdate) until which the stored response is replayed. */
+function setExpires(res, expiresAt) {
+  if (expiresAt instanceof Date && !Number.isNaN(expiresAt.getTime()) && !res.headersSent) {
+    res.setHeader('Idempotency-Expires', expiresAt.toUTCString());
+  }
 }
 
 class ResponseNotStored extends Error {
@@ -129,7 +202,10 @@ class ResponseNotStored extends Error {
  */
 function runCaptured(req, res, next, claim, capture, ctx) {
   return new Promise((resolve) => {
-    req.idempotency = { key: ctx.key, scope: ctx.scope, token: claim.token, signal: claim.signal, replayed: false };
+    // Transactional mode has no heartbeat: a signal that never aborts.
+    const signal = claim.signal || new AbortController().signal;
+    req.idempotency = { key: ctx.key, scope: ctx.scope, token: claim.token, signal, replayed: false };
+    if (claim.client) req.idempotency.client = claim.client;
     const chunks = [];
     const write = res.write;
     const end = res.end;
@@ -151,10 +227,10 @@ function runCaptured(req, res, next, claim, capture, ctx) {
       if (chunk != null && chunk.length !== 0) chunks.push(toBuf(chunk, encoding));
       res.write = write;
       res.end = end;
-      const headers = {};
+      const headers = [];
       for (const name of ctx.storedHeaders) {
         const v = res.getHeader(name);
-        if (v !== undefined) headers[name] = Array.isArray(v) ? v : String(v);
+        if (v !== undefined) for (const one of Array.isArray(v) ? v : [v]) headers.push([name, String(one)]);
       }
       capture.finish = () => end.call(res, chunk, encoding, cb);
       capture.status = res.statusCode;
@@ -165,22 +241,27 @@ function runCaptured(req, res, next, claim, capture, ctx) {
     };
     next();
   }).then(() => {
-    if (capture.status >= 500 && !ctx.storeServerErrors) throw new ResponseNotStored(capture.status);
+    if (!ctx.storeStatus(capture.status)) throw new ResponseNotStored(capture.status);
     return { status: capture.status, body: encodeEnvelope(capture.headers, capture.body) };
   });
 }
 
 /**
- * idempotency(poolOrGuard, options): Express middleware.
+ * idempotency(poolOrGuard, options): Express middleware, doc/http.md.
  *
  * options: header ('Idempotency-Key'), methods (['POST', 'PATCH']),
  * required (false: requests without the header pass through; true: 400),
  * fingerprint(req, body) (method, URL and body), scope(req) (''),
- * storeServerErrors (false: a 5xx or a thrown error releases the key),
- * storedHeaders, replayHeader ('Idempotent-Replayed'), retryAfter (1 s),
- * maxKeyLength (255), limit (1 MiB, for bodies read here), onResult(result,
- * req), waitFor (5000 ms; 0 when wait is false), and any Guard option
- * (lease, retention, timeout, wait, ...) when a pool is given.
+ * storeStatus(status) (true to store and replay the answer; default: all
+ * but 429 and 5xx, which release the key), storeServerErrors (true: store
+ * every status, a shorthand for storeStatus: () => true), transactional
+ * (false; true: the handler runs inside the transaction that holds the
+ * claim, on req.idempotency.client, and its writes commit with the claim
+ * and the stored response), storedHeaders, replayHeader
+ * ('Idempotent-Replayed'), retryAfter (1 s), maxKeyLength (255), limit
+ * (1 MiB, for bodies read here), onResult(result, req), waitFor (5000 ms;
+ * 0 when wait is false), and any Guard option (lease, retention, timeout,
+ * wait, logger, ...) when a pool is given.
  *
  * waitFor is this middleware's, so each route it is mounted on has its
  * own: a retry that arrives while the first request with its key runs
@@ -195,7 +276,9 @@ function idempotency(poolOrGuard, options = {}) {
     required = false,
     fingerprint = defaultFingerprint,
     scope = () => '',
+    storeStatus: storeStatusOption,
     storeServerErrors = false,
+    transactional = false,
     storedHeaders = DEFAULT_STORED_HEADERS,
     replayHeader = 'Idempotent-Replayed',
     retryAfter = 1,
@@ -205,6 +288,9 @@ function idempotency(poolOrGuard, options = {}) {
     waitFor: waitForOption,
     ...guardOptions
   } = options;
+  if (storeStatusOption != null && typeof storeStatusOption !== 'function') throw new TypeError('storeStatus must be a function of the status');
+  if (storeStatusOption != null && storeServerErrors) throw new TypeError('give storeStatus or storeServerErrors, not both');
+  const storeStatus = storeStatusOption || (storeServerErrors ? () => true : defaultStoreStatus);
   const guard = poolOrGuard instanceof Guard ? poolOrGuard : new Guard(poolOrGuard, guardOptions);
   const waitFor = normalizeOptions({
     ...guard.options,
@@ -213,6 +299,51 @@ function idempotency(poolOrGuard, options = {}) {
   const methodSet = new Set(methods.map((m) => m.toUpperCase()));
   const headerName = header.toLowerCase();
   const stored = storedHeaders.map((h) => h.toLowerCase());
+  // The answer stored instead of a response idem_complete refuses, and the
+  // logger that hears of it (a given Guard keeps its own unless one is given).
+  const overrides = { waitFor, notStored: NOT_STORED_ENVELOPE };
+  if (guardOptions.logger !== undefined) overrides.logger = guardOptions.logger;
+
+  /** Transactional mode: claim, handler and stored response in one transaction on a pool client. */
+  async function inTransaction(req, res, next, key, fp, sc, capture, ctx) {
+    // A retry waits for the first request's transaction (its claim is
+    // uncommitted: idem_begin's wait_for, for committed claims, does not
+    // apply) up to waitFor, then answers 409; waitFor 0: 409 at once.  The
+    // claim's budget is the guard's: timeout + waitFor.
+    const o = { ...guard.options, ...overrides, scope: sc, waitFor: 0 };
+    if (o.timeout > 0) o.timeout += waitFor;
+    if (waitFor > 0) o.lockTimeout = waitFor;
+    else o.wait = false;
+    let client;
+    const connecting = guard.pool.connect();
+    try {
+      client = await withDeadline(connecting, guard.options.timeout,
+        () => connecting.then((c) => c.release(), () => {}), 'connect');
+    } catch (err) {
+      return {
+        outcome: Outcome.UNAVAILABLE, response: null, token: null, error: err, failedStep: 'begin', released: false,
+        superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false,
+      };
+    }
+    let broken = false;
+    const result = {
+      outcome: Outcome.UNAVAILABLE, response: null, token: null, error: null, failedStep: null, released: false,
+      superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false,
+    };
+    try {
+      return { ...result, ...await transaction(client, key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), o) };
+    } catch (err) {
+      broken = err instanceof UnavailableError && !(err instanceof TimeoutError);
+      if (!(err instanceof IdemError)) throw err; // the policy's ResponseNotStored, or a bug
+      result.error = err;
+      // A retry that waited lockTimeout (waitFor) for the first request's transaction.
+      if (!capture.finish && err instanceof TimeoutError && err.code === '55P03') return { ...result, outcome: Outcome.IN_FLIGHT };
+      // Not claimed, or rolled back with the handler's writes: nothing was done.
+      return { ...result, failedStep: capture.finish ? 'complete' : 'begin' };
+    } finally {
+      client.release(broken ? true : undefined);
+    }
+  }
 
   async function handle(req, res, next) {
     const rawKey = req.headers[headerName];
@@ -221,7 +352,10 @@ function idempotency(poolOrGuard, options = {}) {
       return next();
     }
     const key = parseKey(rawKey, maxKeyLength);
-    if (key === null) return problem(res, 400, 'invalid Idempotency-Key', `the ${header} header must be 1 to ${maxKeyLength} bytes`);
+    if (key === null) {
+      return problem(res, 400, 'invalid Idempotency-Key', `the ${header} header must be an sf-string or a token` +
+        ` of 1 to ${maxKeyLength} printable ASCII characters`);
+    }
 
     let body;
     try {
@@ -235,28 +369,47 @@ function idempotency(poolOrGuard, options = {}) {
     if (typeof fp !== 'string' || typeof sc !== 'string') throw new TypeError('fingerprint and scope must return strings');
 
     const capture = {};
-    const ctx = { key, scope: sc, storedHeaders: stored, storeServerErrors };
-    const result = await guard.do(key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), { scope: sc, waitFor });
+    const ctx = { key, scope: sc, storedHeaders: stored, storeStatus };
+    let result;
+    if (transactional) {
+      try {
+        result = await inTransaction(req, res, next, key, fp, sc, capture, ctx);
+      } catch (err) {
+        // The policy released the answer (rolled back with the handler's writes): send it as is.
+        if (err instanceof ResponseNotStored && capture.finish) return capture.finish();
+        throw err;
+      }
+    } else {
+      result = await guard.do(key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), { ...overrides, scope: sc });
+    }
     if (onResult) onResult(result, req);
 
     switch (result.outcome) {
       case Outcome.REPLAYED: {
         const { headers, body: replayBody } = decodeEnvelope(result.response.body);
         res.status(result.response.status);
-        for (const [k, v] of Object.entries(headers)) res.setHeader(k, v);
+        const byName = new Map();
+        for (const [k, v] of headers) byName.set(k, [...(byName.get(k) || []), v]);
+        for (const [k, v] of byName) res.setHeader(k, v.length === 1 ? v[0] : v);
         res.setHeader(replayHeader, 'true');
+        setExpires(res, result.expiresAt);
         return res.end(replayBody);
       }
       case Outcome.IN_FLIGHT:
         return problem(res, 409, 'request in flight', 'a request with this key is being processed; retry later',
-          { 'Retry-After': String(retryAfterSeconds(result, waitFor, retryAfter)) });
+          { 'Retry-After': String(retryAfterSeconds(result, retryAfter)) });
       case Outcome.CONFLICT:
         return problem(res, 422, 'Idempotency-Key reused', 'this key was used with a different request');
       case Outcome.UNAVAILABLE:
+        // Transactional mode: also after the handler ran, since its writes were rolled back with the claim.
+        if (res.headersSent) return res.destroy(); // the handler's answer, partly sent, did not happen
         return problem(res, 503, 'idempotency store unavailable', 'the request was not processed; retry later',
           { 'Retry-After': String(retryAfter) });
       default: // executed: send what the handler answered (stored, or released)
-        if (capture.finish) return capture.finish();
+        if (capture.finish) {
+          if (!result.failedStep || result.notStored) setExpires(res, result.expiresAt);
+          return capture.finish();
+        }
         throw result.error || new Error('the handler did not respond');
     }
   }
@@ -268,5 +421,14 @@ function idempotency(poolOrGuard, options = {}) {
 }
 
 module.exports = {
-  idempotency, saveRawBody, defaultFingerprint, encodeEnvelope, decodeEnvelope, parseKey, retryAfterSeconds, DEFAULT_WAIT_FOR_MS,
+  idempotency,
+  saveRawBody,
+  defaultFingerprint,
+  encodeEnvelope,
+  decodeEnvelope,
+  parseKey,
+  retryAfterSeconds,
+  defaultStoreStatus,
+  DEFAULT_WAIT_FOR_MS,
+  NOT_STORED_ENVELOPE,
 };

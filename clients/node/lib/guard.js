@@ -2,11 +2,11 @@
 
 const {
   IdemError, UnavailableError, TimeoutError, TokenSupersededError, NoClaimError,
-  AlreadyCompletedError, toIdemError, isDatabaseError,
+  AlreadyCompletedError, toIdemError, isDatabaseError, isTransient, storesNotStored,
 } = require('./errors');
 const { Store } = require('./store');
 const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
-const { Outcome, normalizeResponse } = require('./outcome');
+const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 const { transaction } = require('./transaction');
 
 /** Extra time the client gives the server to report its own timeout. */
@@ -176,6 +176,8 @@ class Guard {
       superseded: false,
       extends: 0,
       leaseUntil: null,
+      expiresAt: null,
+      notStored: false,
     };
     const { scope, lease, retention } = o;
 
@@ -193,6 +195,7 @@ class Guard {
       if (row.state === 'DONE') {
         result.outcome = Outcome.REPLAYED;
         result.response = { status: row.status, body: row.body };
+        result.expiresAt = row.expiresAt ?? null;
       } else if (row.state === 'CONFLICT') {
         result.outcome = Outcome.CONFLICT;
       } else {
@@ -245,17 +248,44 @@ class Guard {
     }
 
     result.response = response;
+    const complete = (r) => this._run(o, 'complete', (c, store) => store.complete(c, {
+      key, fingerprint, status: r.status, body: r.body, token: row.token, retention, scope,
+    }));
     try {
-      await this._run(o, 'complete', (c, store) => store.complete(c, {
-        key, fingerprint, status: response.status, body: response.body, token: row.token, retention, scope,
-      }));
+      result.expiresAt = await complete(response);
     } catch (err) {
-      // The work is done but not stored: the key stays PROCESSING until
-      // its lease ends; the downstream must absorb a retry (pass the token).
       result.error = err;
       result.failedStep = 'complete';
+      await this._notStored(o, key, err, result, complete);
     }
     return result;
+  }
+
+  /**
+   * The handler ran but its response was not stored.  A failure a retry of
+   * the call could not fix stores the fixed answer (o.notStored, by default
+   * the 500 "Response not stored") so that the key is never claimable
+   * again; after any other (the connection, a timeout) the key stays
+   * PROCESSING until its lease ends (or is not the claim's any more:
+   * superseded, completed).  Either way the logger hears of it,
+   * with the key.
+   */
+  async _notStored(o, key, err, result, complete) {
+    const logger = o.logger || console;
+    const what = `idem: the response to key ${JSON.stringify(key)} was not stored (${err.code || err.name}: ${err.message})`;
+    if (!storesNotStored(err)) {
+      logger.warn(`${what}; ${isTransient(err) ? 'the key stays claimed until its lease ends' : 'the key is not this claim\'s any more'}`);
+      return;
+    }
+    try {
+      result.expiresAt = await complete(normalizeResponse(o.notStored || NOT_STORED));
+      result.notStored = true;
+      logger.warn(`${what}; stored "Response not stored" (500) for it instead`);
+    } catch (again) {
+      result.notStoredError = again;
+      logger.warn(`${what}; storing "Response not stored" failed too (${again.code || again.name}: ${again.message}),` +
+        ' the key stays claimed until its lease ends');
+    }
   }
 
   /**
@@ -319,5 +349,5 @@ class Guard {
 // The helpers of options.js and outcome.js stay reachable from here too, as
 // they were before they had modules of their own.
 module.exports = {
-  Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS,
+  Guard, Outcome, failTimes, normalizeOptions, normalizeResponse, clockOffsetOf, DEFAULTS, withDeadline,
 };

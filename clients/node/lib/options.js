@@ -14,10 +14,13 @@ const DEFAULTS = Object.freeze({
   wait: true,
   waitFor: 0, // ms a duplicate waits in the server for a committed claim's answer; 0: none
   timeout: 10000, // ms per server call, enforced by the server; 0: none
+  lockTimeout: null, // ms transaction()'s claim waits for another transaction's uncommitted claim; null: its whole budget
   keepClaimOnError: false,
   heartbeat: false, // true: extend every lease/3; a number: every that many ms
   clockOffset: 0, // seconds (tests, superuser): SET LOCAL idem.clock_offset
   fault: null, // (op) => truthy to make that server call fail
+  logger: null, // { warn(message) }: where a response not stored is reported; null: console
+  notStored: null, // { status, body } stored when idem_complete refuses a response; null: NOT_STORED
 });
 
 /** The defaults overridden by the options given (undefined: the default), checked. */
@@ -29,12 +32,20 @@ function normalizeOptions(options) {
   if (o.waitFor === null) o.waitFor = 0;
   if (!Number.isFinite(o.waitFor) || o.waitFor < 0) throw new TypeError('waitFor must be a number of milliseconds >= 0');
   o.waitFor = Math.round(o.waitFor);
+  if (o.lockTimeout != null && (!Number.isFinite(o.lockTimeout) || o.lockTimeout <= 0)) {
+    throw new TypeError('lockTimeout must be a number of milliseconds > 0, or null');
+  }
+  if (o.lockTimeout != null) o.lockTimeout = Math.round(o.lockTimeout);
   if (o.waitFor > 0 && o.wait === false) throw new TypeError('waitFor needs wait: true (a duplicate that does not wait cannot wait for an answer)');
   if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
   intervalParam(o.lease, 'lease');
   intervalParam(o.retention, 'retention');
   if (typeof o.clockOffset !== 'function') clockOffsetOf(o);
   if (o.fault != null && typeof o.fault !== 'function') throw new TypeError('fault must be a function');
+  if (o.logger != null && typeof o.logger.warn !== 'function') throw new TypeError('logger must have a warn(message) method');
+  if (o.notStored != null && (typeof o.notStored !== 'object' || !Number.isInteger(o.notStored.status))) {
+    throw new TypeError('notStored must be { status, body }');
+  }
   if (typeof o.heartbeat === 'number' && !(o.heartbeat > 0)) throw new TypeError('heartbeat must be true, false or a period in ms');
   return o;
 }

@@ -19,4 +19,16 @@ function normalizeResponse(value) {
   return { status: value.status, body: toBuffer(value.body ?? null) };
 }
 
-module.exports = { Outcome, normalizeResponse };
+/**
+ * The body stored instead of a response idem_complete refused for good
+ * (doc/http.md, "A response that cannot be stored"), as the server stores
+ * it for a body larger than idem.max_body_size.
+ */
+const NOT_STORED_BODY = '{"type":"about:blank","title":"Response not stored","status":500,' +
+  '"detail":"The response to the first request with this key was larger than idem.max_body_size;' +
+  ' it was sent then and is not replayed."}';
+
+/** The fixed answer a guard stores when idem_complete refuses a response: 500, problem+json. */
+const NOT_STORED = Object.freeze({ status: 500, body: Buffer.from(NOT_STORED_BODY) });
+
+module.exports = { Outcome, normalizeResponse, NOT_STORED, NOT_STORED_BODY };

@@ -1,6 +1,6 @@
 'use strict';
 
-const { toIdemError } = require('./errors');
+const { IdemError, toIdemError } = require('./errors');
 
 /** A SQL identifier, double-quoted. */
 function quoteIdent(name) {
@@ -82,8 +82,23 @@ class Store {
     try {
       return await client.query({ text, values });
     } catch (err) {
+      if (err && (err.code === '42883' || err.code === '3F000')) throw this._notFound(text, values.length, err);
       throw toIdemError(err);
     }
+  }
+
+  /**
+   * The error of a call whose function or schema the server did not find
+   * (42883, 3F000): which function, with how many arguments, in which
+   * schema, and the option that names the schema.
+   */
+  _notFound(text, nargs, err) {
+    const fn = /\.(idem_[a-z]+)\(/.exec(text)[1];
+    const what = err.code === '3F000' ? `schema ${quoteIdent(this.schema)} does not exist`
+      : `function ${quoteIdent(this.schema)}.${fn} with ${nargs} arguments does not exist`;
+    return new IdemError(`idem: ${what} (${err.code}): is the extension installed in schema ${quoteIdent(this.schema)}` +
+      ' (and updated: ALTER EXTENSION idem UPDATE)? The schema option names the schema of CREATE EXTENSION idem' +
+      ` (schema: '${this.schema}' now). Server: ${err.message}`, { code: err.code, cause: err });
   }
 
   /**

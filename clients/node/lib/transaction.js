@@ -1,9 +1,9 @@
 'use strict';
 
-const { IdemError, toIdemError } = require('./errors');
+const { IdemError, toIdemError, storesNotStored } = require('./errors');
 const { Store } = require('./store');
 const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
-const { Outcome, normalizeResponse } = require('./outcome');
+const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 
 /**
  * The one-transaction pattern on the caller's client: BEGIN, claim the
@@ -12,21 +12,29 @@ const { Outcome, normalizeResponse } = require('./outcome');
  * together or not at all.  A concurrent retry waits for this transaction
  * and then replays the response.
  *
- * Resolves to { outcome, response, token, leaseUntil }: executed
- * (committed), replayed, in_flight (a guard's committed claim is live;
- * leaseUntil is when its lease ends) or conflict.  With options.waitFor
+ * Resolves to { outcome, response, token, leaseUntil, expiresAt,
+ * notStored }: executed (committed), replayed, in_flight (a guard's
+ * committed claim is live; leaseUntil is when its lease ends) or conflict;
+ * expiresAt is until when the stored response is replayed.  With options.waitFor
  * (ms) a duplicate of a guard's committed claim waits in the server, up to
  * that long, for its answer: the replay, or the key to claim if the holder
  * released it or its lease ended; in flight only when the wait runs out.
  * Rejects, after ROLLBACK, with the handler's own error or an idem error
  * (TimeoutError when the claim waited longer than options.timeout, plus
- * waitFor when set: the server cancelled the wait, so no claim is left
- * behind; IdemError 42883 when waitFor is set and the database's
+ * waitFor when set, or than options.lockTimeout for another transaction's
+ * uncommitted claim of the key (55P03): the server cancelled the wait, so
+ * no claim is left behind; IdemError 42883 when waitFor is set and the database's
  * idem_begin has no wait_for).
  *
+ * An idem_complete refused for good (a data error; not the connection, a
+ * timeout, a serialization failure) is rolled back to a savepoint taken
+ * before it, and the fixed answer (options.notStored, by default the 500
+ * "Response not stored") is stored instead, with the handler's writes:
+ * notStored is true, and options.logger (console) warns with the key.
+ *
  * The client must be idle (not inside a transaction).  The timeout applies
- * to idem_begin only; statement_timeout and lock_timeout are restored for
- * the handler's statements.
+ * to idem_begin and idem_complete; statement_timeout and lock_timeout are
+ * restored for the handler's statements.
  */
 async function transaction(client, key, fingerprint, handler, options) {
   if (client == null || typeof client.query !== 'function') throw new TypeError('transaction needs a pg client');
@@ -50,10 +58,11 @@ async function transaction(client, key, fingerprint, handler, options) {
   try {
     let saved = null;
     const budget = beginBudget(o, o.waitFor);
-    if (budget > 0) {
+    const lockBudget = o.lockTimeout > 0 ? o.lockTimeout : budget;
+    if (budget > 0 || lockBudget > 0) {
       saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
         " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
-      await q(`SET LOCAL statement_timeout = ${budget}; SET LOCAL lock_timeout = ${budget}`);
+      await q(`SET LOCAL statement_timeout = ${budget}; SET LOCAL lock_timeout = ${lockBudget}`);
     }
     const offset = clockOffsetOf(o);
     if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
@@ -68,24 +77,45 @@ async function transaction(client, key, fingerprint, handler, options) {
       await q('ROLLBACK');
       ended = true;
       if (row.state === 'DONE') {
-        return { outcome: Outcome.REPLAYED, response: { status: row.status, body: row.body }, token: null, leaseUntil: null };
+        return {
+          outcome: Outcome.REPLAYED, response: { status: row.status, body: row.body }, token: null, leaseUntil: null,
+          expiresAt: row.expiresAt ?? null, notStored: false,
+        };
       }
-      if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, response: null, token: null, leaseUntil: null };
-      return { outcome: Outcome.IN_FLIGHT, response: null, token: null, leaseUntil: row.leaseUntil ?? null };
+      const none = { response: null, token: null, expiresAt: null, notStored: false };
+      if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, ...none, leaseUntil: null };
+      return { outcome: Outcome.IN_FLIGHT, ...none, leaseUntil: row.leaseUntil ?? null };
     }
 
-    const claim = { key, fingerprint, scope: o.scope, token: row.token, client };
+    const claim = { key, fingerprint, scope: o.scope, token: row.token, leaseUntil: row.leaseUntil, client };
     const response = normalizeResponse(await handler(claim));
-    await store.complete(client, {
-      key, fingerprint, status: response.status, body: response.body, token: row.token,
-      retention: o.retention, scope: o.scope,
+    // The handler's statements are done: the complete gets the timeout, and
+    // a savepoint to fall back to if the response cannot be stored.
+    const pre = o.timeout > 0 ? [`SET LOCAL statement_timeout = ${o.timeout}`, `SET LOCAL lock_timeout = ${o.timeout}`] : [];
+    await q([...pre, 'SAVEPOINT idem_complete'].join('; '));
+    const complete = (r) => store.complete(client, {
+      key, fingerprint, status: r.status, body: r.body, token: row.token, retention: o.retention, scope: o.scope,
     });
+    let expiresAt;
+    let notStored = false;
+    try {
+      expiresAt = await complete(response);
+    } catch (err) {
+      if (!storesNotStored(err)) throw err;
+      await q('ROLLBACK TO SAVEPOINT idem_complete');
+      expiresAt = await complete(normalizeResponse(o.notStored || NOT_STORED));
+      notStored = true;
+      (o.logger || console).warn(`idem: the response to key ${JSON.stringify(key)} was not stored (${err.code}: ${err.message});` +
+        ' stored "Response not stored" (500) for it instead');
+    }
     const res = await q('COMMIT');
     ended = true;
     if (res && res.command === 'ROLLBACK') {
       throw new IdemError('the transaction was rolled back: a statement in it failed');
     }
-    return { outcome: Outcome.EXECUTED, response, token: row.token, leaseUntil: row.leaseUntil ?? null };
+    return {
+      outcome: Outcome.EXECUTED, response, token: row.token, leaseUntil: row.leaseUntil ?? null, expiresAt, notStored,
+    };
   } catch (err) {
     if (!ended) {
       try {

@@ -1,0 +1,62 @@
+// Compiled by test.sh with tsc --strict against the installed package: the
+// middleware (default and transactional mode), the guard and transaction().
+
+import express from 'express';
+import { Pool } from 'pg';
+import {
+  idempotency, saveRawBody, Guard, Outcome, transaction, IdemError, TimeoutError, GuardResult,
+} from 'idem-pg';
+
+const pool = new Pool();
+pool.on('error', () => {});
+const app = express();
+app.use(express.json({ verify: saveRawBody }));
+
+app.post('/orders', idempotency(pool, {
+  schema: 'public', lease: 30000, required: true, waitFor: 2000,
+  storeStatus: (status: number) => status < 500,
+  logger: { warn: (message: string) => console.warn(message) },
+  onResult: (r: GuardResult) => { if (r.notStored) console.warn(r.expiresAt?.toISOString()); },
+}), (req, res) => {
+  const key: string | undefined = req.idempotency?.key;
+  const token: bigint | undefined = req.idempotency?.token;
+  res.status(201).json({ key, token: String(token) });
+});
+
+app.post('/tx/orders', idempotency(pool, { transactional: true, storeServerErrors: false }), async (req, res, next) => {
+  try {
+    const client = req.idempotency?.client;
+    if (!client) throw new Error('not transactional');
+    const r = await client.query<{ id: string }>('INSERT INTO orders DEFAULT VALUES RETURNING id');
+    res.status(201).json({ order: r.rows[0].id });
+  } catch (err) {
+    next(err);
+  }
+});
+
+async function main(): Promise<void> {
+  const guard = new Guard(pool, { lease: 30000, heartbeat: true, timeout: 5000 });
+  const r = await guard.do('pay-7', 'amount=10', async (claim) => {
+    const t: bigint = claim.token;
+    return { status: 200, body: `charged ${t}` };
+  });
+  if (r.outcome === Outcome.EXECUTED && r.failedStep === 'complete' && !r.notStored) console.warn(r.error);
+  const expires: Date | null = r.expiresAt;
+
+  const client = await pool.connect();
+  try {
+    const t = await transaction(client, 'order-42', 'sku=A', async ({ client: c, leaseUntil }) => {
+      await c.query('SELECT 1');
+      return { status: 201, body: JSON.stringify({ at: leaseUntil.toISOString() }) };
+    }, { timeout: 5000, lockTimeout: 1000 });
+    const stored: boolean = t.notStored;
+    console.log(t.outcome, t.expiresAt, stored, expires);
+  } catch (err) {
+    if (err instanceof TimeoutError || (err instanceof IdemError && err.code === '42883')) console.error(err.message);
+  } finally {
+    client.release();
+  }
+}
+
+app.listen(0);
+void main();
