@@ -328,8 +328,8 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
  * its insertion is confirmed or undone, which happens before its
  * transaction ends; returns true if the wait lasted until the transaction
  * ended, false if it was such a short wait.  idem_waits shows the wait
- * while it lasts, and not after it ends, also with an error (a cancel,
- * lock_timeout, a deadlock).
+ * while it lasts; a wait that ends with an error (a cancel, lock_timeout,
+ * a deadlock) is cleared when the (sub)transaction aborts (waits.c).
  */
 bool
 idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
@@ -339,19 +339,12 @@ idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 
 	push_wait_context(kt, &errcb);
 	idem_waits_show(IDEM_WAIT_TRANSACTION, kt->scope, kt->key, waiter->xid, 0);
-	PG_TRY();
-	{
-		if (speculative)
-			SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
-		else
-			XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,
-							  XLTW_InsertIndexUnique);
-	}
-	PG_FINALLY();
-	{
-		idem_waits_hide();
-	}
-	PG_END_TRY();
+	if (speculative)
+		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
+	else
+		XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,
+						  XLTW_InsertIndexUnique);
+	idem_waits_hide();
 	error_context_stack = errcb.previous;
 	return !speculative;
 }

@@ -488,25 +488,6 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 	too_many_rounds(kt->key);
 }
 
-/*
- * claim_key with wait_for: the wait is over when the call is, also when
- * it ends with an error (idem_waits shows no wait after it).
- */
-static void
-claim_key_waiting(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
-{
-	idem_waits_prepare(kt->scope, kt->key);
-	PG_TRY();
-	{
-		claim_key(kt, args, res);
-	}
-	PG_FINALLY();
-	{
-		idem_waits_done();
-	}
-	PG_END_TRY();
-}
-
 /* scope argument: not NULL, may be empty. */
 static text *
 scope_arg(FunctionCallInfo fcinfo, int argno)
@@ -593,9 +574,10 @@ idem_begin(PG_FUNCTION_ARGS)
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
 	if (args.wait_until != 0)
-		claim_key_waiting(&kt, &args, &res);
-	else
-		claim_key(&kt, &args, &res);
+		idem_waits_prepare(scope, key);
+	claim_key(&kt, &args, &res);
+	if (args.wait_until != 0)
+		idem_waits_done();
 	idem_keytable_close(&kt);
 
 	memset(nulls, true, sizeof(nulls));

@@ -25,12 +25,15 @@
  * wait as an extension's wait, neither naming the key.  With
  * shared_preload_libraries each backend has an entry in shared memory,
  * indexed by its proc number, that it fills before it waits (the
- * transaction it waits for, or the claim's token) and clears after,
- * also when the wait ends in an error: idem_waits() reads them.  Only
- * the backend writes its entry, under a change counter as pgstat writes
- * a backend's activity (PGSTAT_BEGIN_WRITE_ACTIVITY): no lock, and
- * nothing at all for a call that does not wait.  A reader copies an
- * entry until it reads the same even count before and after.
+ * transaction it waits for, or the claim's token) and clears after:
+ * idem_waits() reads them.  A wait that ends with an error is cleared
+ * when the transaction or subtransaction the error aborts ends (the
+ * callbacks below), a backend that exits on the way clears it at exit,
+ * and the next wait overwrites it anyway.  Only the backend writes its
+ * entry, under a change counter as pgstat writes a backend's activity
+ * (PGSTAT_BEGIN_WRITE_ACTIVITY): no lock, and nothing at all for a call
+ * that does not wait.  A reader copies an entry until it reads the same
+ * even count before and after.
  *
  *-------------------------------------------------------------------------
  */
@@ -115,6 +118,7 @@ static int	notes[IDEM_WAIT_NOTES];
 static int	nnotes = 0;
 static bool notes_overflow = false;
 static bool xact_callback_registered = false;
+static bool subxact_callback_registered = false;
 
 /* The slot the current waiter sleeps on; -1 when it polls. */
 static int	waiting_slot = -1;
@@ -193,7 +197,11 @@ key_slot(text *scope, text *key)
 	return (int) (h % IDEM_WAIT_SLOTS);
 }
 
-/* Wake the waiters of the keys a committed transaction changed. */
+/*
+ * Wake the waiters of the keys a committed transaction changed.  At the
+ * end of a transaction no wait of this backend goes on: a wait that ended
+ * with the error that aborts it is cleared.
+ */
 static void
 waits_xact_callback(XactEvent event, void *arg)
 {
@@ -219,10 +227,23 @@ waits_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PREPARE:
 			nnotes = 0;
 			notes_overflow = false;
+			idem_waits_hide();
 			break;
 		default:
 			break;
 	}
+}
+
+/*
+ * A wait that ended with the error that aborts a subtransaction (a
+ * PL/pgSQL block that catches it) is over.
+ */
+static void
+waits_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					   SubTransactionId parentSubid, void *arg)
+{
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		idem_waits_hide();
 }
 
 /*
@@ -337,6 +358,16 @@ idem_waits_show(IdemWaitKind kind, text *scope, text *key,
 		before_shmem_exit(waits_backend_exit, (Datum) 0);
 		exit_callback_registered = true;
 	}
+	if (!xact_callback_registered)
+	{
+		RegisterXactCallback(waits_xact_callback, NULL);
+		xact_callback_registered = true;
+	}
+	if (!subxact_callback_registered)
+	{
+		RegisterSubXactCallback(waits_subxact_callback, NULL);
+		subxact_callback_registered = true;
+	}
 	what.pid = MyProcPid;
 	what.dboid = MyDatabaseId;
 	what.roleid = GetSessionUserId();
@@ -423,10 +454,7 @@ idem_waits_sleep(TimestampTz until, int64 holder_token)
 	return true;
 }
 
-/*
- * The wait is over, or ended with an error (it may be called from
- * PG_FINALLY).
- */
+/* The wait is over. */
 void
 idem_waits_done(void)
 {
