@@ -315,3 +315,52 @@ BEGIN
 	END LOOP;
 END
 $$;
+
+/*
+ * Who waits for what: idem_waits() and its view.  Owner-only, as in a
+ * fresh install: whatever the default privileges of the role running the
+ * update gave them is revoked.
+ */
+CREATE FUNCTION @extschema@.idem_waits(
+	OUT pid pg_catalog.int4, OUT dbid pg_catalog.oid,
+	OUT scope pg_catalog.text, OUT key pg_catalog.text,
+	OUT kind pg_catalog.text, OUT holder_pid pg_catalog.int4,
+	OUT holder_xid pg_catalog.xid, OUT holder_token pg_catalog.int8,
+	OUT waiting_since pg_catalog.timestamptz)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_waits'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+CREATE VIEW @extschema@.idem_waits AS
+	SELECT w.pid, d.datname, w.scope, w.key, w.kind, w.holder_pid,
+		   w.holder_xid, w.holder_token, w.waiting_since
+	  FROM @extschema@.idem_waits() w
+	  LEFT JOIN pg_catalog.pg_database d
+			 ON d.oid OPERATOR(pg_catalog.=) w.dbid;
+
+REVOKE ALL ON FUNCTION @extschema@.idem_waits() FROM PUBLIC;
+REVOKE ALL ON @extschema@.idem_waits FROM PUBLIC;
+
+DO $$
+DECLARE
+	r			record;
+BEGIN
+	FOR r IN
+		SELECT o.object, a.grantee
+		  FROM (SELECT 'FUNCTION @extschema@.idem_waits()' AS object,
+					   p.proowner AS owner, p.proacl AS acl
+				  FROM pg_catalog.pg_proc p
+				 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_waits()'::pg_catalog.regprocedure
+				UNION ALL
+				SELECT 'TABLE @extschema@.idem_waits', c.relowner, c.relacl
+				  FROM pg_catalog.pg_class c
+				 WHERE c.oid OPERATOR(pg_catalog.=) '@extschema@.idem_waits'::pg_catalog.regclass) o
+		 CROSS JOIN LATERAL pg_catalog.aclexplode(o.acl) a
+		 WHERE a.grantee OPERATOR(pg_catalog.<>) o.owner
+	LOOP
+		EXECUTE pg_catalog.format('REVOKE ALL ON %s FROM %s CASCADE', r.object,
+			CASE WHEN r.grantee OPERATOR(pg_catalog.=) 0 THEN 'PUBLIC'
+				 ELSE r.grantee::pg_catalog.regrole::pg_catalog.text END);
+	END LOOP;
+END
+$$;

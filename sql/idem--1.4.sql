@@ -123,6 +123,34 @@ AS 'MODULE_PATHNAME', 'idem_stats_reset'
 LANGUAGE C VOLATILE PARALLEL RESTRICTED;
 
 /*
+ * The calls waiting for a key now, one row per waiting backend; needs
+ * shared_preload_libraries = 'idem'.  kind 'transaction': waiting for the
+ * transaction that is inserting, changing or deleting the key's row
+ * (holder_xid, and holder_pid while it runs); kind 'result': waiting with
+ * wait_for for the result of a committed claim (holder_token).  scope and
+ * key are clipped to 64 bytes as in error messages.  scope, key and
+ * holder_token are shown, as pg_stat_activity shows a query, to members
+ * of pg_read_all_stats and to roles with the privileges of the waiting
+ * session's user; to others they are NULL.
+ */
+CREATE FUNCTION @extschema@.idem_waits(
+	OUT pid pg_catalog.int4, OUT dbid pg_catalog.oid,
+	OUT scope pg_catalog.text, OUT key pg_catalog.text,
+	OUT kind pg_catalog.text, OUT holder_pid pg_catalog.int4,
+	OUT holder_xid pg_catalog.xid, OUT holder_token pg_catalog.int8,
+	OUT waiting_since pg_catalog.timestamptz)
+RETURNS SETOF record
+AS 'MODULE_PATHNAME', 'idem_waits'
+LANGUAGE C VOLATILE PARALLEL RESTRICTED;
+
+CREATE VIEW @extschema@.idem_waits AS
+	SELECT w.pid, d.datname, w.scope, w.key, w.kind, w.holder_pid,
+		   w.holder_xid, w.holder_token, w.waiting_since
+	  FROM @extschema@.idem_waits() w
+	  LEFT JOIN pg_catalog.pg_database d
+			 ON d.oid OPERATOR(pg_catalog.=) w.dbid;
+
+/*
  * What is stored for one key, without the response body: the stored state
  * (PROCESSING or DONE), the current token, the status, the times and the
  * body's size in bytes.  No row if the key is not stored.
@@ -285,8 +313,8 @@ $$;
  * Privileges.  PUBLIC may call no function and read no view.  The
  * extension owner grants EXECUTE on idem_begin, idem_complete,
  * idem_release and idem_extend to application roles (README, "Security");
- * purge, lookup, statistics and the views are for the owner and the roles
- * it grants them to.
+ * purge, lookup, statistics, waits and the views are for the owner and
+ * the roles it grants them to.
  */
 REVOKE ALL ON FUNCTION
 	@extschema@.idem_begin(pg_catalog.text, pg_catalog.text,
@@ -303,6 +331,7 @@ REVOKE ALL ON FUNCTION
 	@extschema@.idem_purge(pg_catalog.int4),
 	@extschema@.idem_stats(),
 	@extschema@.idem_stats_reset(),
+	@extschema@.idem_waits(),
 	@extschema@.idem_lookup(pg_catalog.text, pg_catalog.text),
 	@extschema@.idem_evict(pg_catalog.text, pg_catalog.text),
 	@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text),
@@ -310,7 +339,8 @@ REVOKE ALL ON FUNCTION
 	@extschema@.idem_distributed_functions(),
 	@extschema@.idem_distribute(text, pg_catalog.regclass, integer)
 FROM PUBLIC;
-REVOKE ALL ON @extschema@.idem_stats, @extschema@.idem_keys FROM PUBLIC;
+REVOKE ALL ON @extschema@.idem_stats, @extschema@.idem_waits,
+	@extschema@.idem_keys FROM PUBLIC;
 
 /*
  * ALTER DEFAULT PRIVILEGES of the role that runs CREATE EXTENSION apply to

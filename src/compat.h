@@ -5,9 +5,7 @@
  *	  (15 to 18), so that the rest of the code reads the same on each.
  *
  *	  A difference that matters at one place only stays there, as an
- *	  inline #if PG_VERSION_NUM (grep for PG_VERSION_NUM under src):
- *	  - src/worker.c, launcher_wait_event(): custom wait event names for
- *		extensions (WaitEventExtensionNew) from 17 on.
+ *	  inline #if PG_VERSION_NUM (grep for PG_VERSION_NUM under src).
  *	  The background worker entry points in src/worker.c are PGDLLEXPORT:
  *	  from 16 on, symbols are hidden unless exported.
  *
@@ -23,6 +21,8 @@
 #include "access/heapam.h"
 #include "access/htup_details.h"
 #include "access/tableam.h"
+#include "storage/proc.h"
+#include "utils/wait_event.h"
 
 #if PG_VERSION_NUM < 150000
 #error "idem needs PostgreSQL 15 or later"
@@ -38,6 +38,35 @@
 #else
 #define IDEM_MODULE_MAGIC	PG_MODULE_MAGIC
 #endif
+
+/*
+ * This backend's number among the PGPROCs (0 up to MaxBackends for
+ * backends and background workers): MyProcNumber from 17 on, the PGPROC's
+ * pgprocno before.
+ */
+#if PG_VERSION_NUM >= 170000
+#define idem_my_proc_number()	((int) MyProcNumber)
+#else
+#define idem_my_proc_number()	(MyProc->pgprocno)
+#endif
+
+/*
+ * A wait event of idem's, for pg_stat_activity.  From 17 on an extension
+ * names its own (WaitEventExtensionNew, which takes a lock: the number is
+ * kept in *event after the first call); before, every wait of an
+ * extension is Extension/Extension.
+ */
+static inline uint32
+idem_wait_event(uint32 *event, const char *name)
+{
+#if PG_VERSION_NUM >= 170000
+	if (*event == 0)
+		*event = WaitEventExtensionNew(name);
+	return *event;
+#else
+	return PG_WAIT_EXTENSION;
+#endif
+}
 
 /*
  * The primary key index of a relation.  From 18 on the caller says whether

@@ -55,6 +55,7 @@
 #include "args.h"
 #include "citus.h"
 #include "keyrel.h"
+#include "waits.h"
 
 /* Error context of a wait for another transaction. */
 static void
@@ -326,7 +327,9 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
  * A version still being inserted speculatively is waited for only until
  * its insertion is confirmed or undone, which happens before its
  * transaction ends; returns true if the wait lasted until the transaction
- * ended, false if it was such a short wait.
+ * ended, false if it was such a short wait.  idem_waits shows the wait
+ * while it lasts; a wait that ends with an error (a cancel, lock_timeout,
+ * a deadlock) is cleared when the (sub)transaction aborts (waits.c).
  */
 bool
 idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
@@ -335,11 +338,13 @@ idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 	bool		speculative = waiter->spec_token != 0;
 
 	push_wait_context(kt, &errcb);
+	idem_waits_show(IDEM_WAIT_TRANSACTION, kt->scope, kt->key, waiter->xid, 0);
 	if (speculative)
 		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
 	else
 		XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,
 						  XLTW_InsertIndexUnique);
+	idem_waits_hide();
 	error_context_stack = errcb.previous;
 	return !speculative;
 }

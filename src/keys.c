@@ -375,7 +375,7 @@ wait_for_holder(KeyTable *kt, ClaimArgs *args, KeyRow *row)
 	if (args->lock_wait_until != 0)
 		until = Min(until, args->lock_wait_until);
 	idem_stats_start(&waited);
-	slept = idem_waits_sleep(until);
+	slept = idem_waits_sleep(until, row->token);
 	count_wait(&waited);
 	claim_args_now(args);
 	if (args->lock_wait_until != 0 && args->now >= args->lock_wait_until &&

@@ -20,27 +20,59 @@
  * waits for: the waiter then looks at its key again every
  * IDEM_WAIT_POLL_MS.
  *
+ * Who waits for what: pg_stat_activity shows a call waiting for the
+ * transaction that holds a key as Lock/transactionid, and a wait_for
+ * wait as an extension's wait, neither naming the key.  With
+ * shared_preload_libraries each backend has an entry in shared memory,
+ * indexed by its proc number, that it fills before it waits (the
+ * transaction it waits for, or the claim's token) and clears after:
+ * idem_waits() reads them.  A wait that ends with an error is cleared
+ * when the transaction or subtransaction the error aborts ends (the
+ * callbacks below), a backend that exits on the way clears it at exit,
+ * and the next wait overwrites it anyway.  Only the backend writes its
+ * entry, under a change counter as pgstat writes a backend's activity
+ * (PGSTAT_BEGIN_WRITE_ACTIVITY): no lock, and nothing at all for a call
+ * that does not wait.  A reader copies an entry until it reads the same
+ * even count before and after.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "access/subtrans.h"
+#include "access/transam.h"
 #include "access/xact.h"
 #include "access/xlog.h"
+#include "catalog/pg_authid_d.h"
 #include "common/hashfn.h"
+#include "common/string.h"
+#include "fmgr.h"
+#include "funcapi.h"
+#include "lib/stringinfo.h"
+#include "mb/pg_wchar.h"
 #include "miscadmin.h"
 #include "pgstat.h"
+#include "port/atomics.h"
 #include "storage/condition_variable.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
 #include "storage/lwlock.h"
+#include "storage/proc.h"
+#include "storage/procarray.h"
 #include "storage/shmem.h"
+#include "utils/acl.h"
+#include "utils/builtins.h"
 #include "utils/memutils.h"
+#include "utils/snapmgr.h"
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 
+#include "args.h"
 #include "compat.h"
 #include "settings.h"
 #include "waits.h"
+
+PG_FUNCTION_INFO_V1(idem_waits);
 
 /* Condition variables shared by all keys of all databases. */
 #define IDEM_WAIT_SLOTS		1024
@@ -51,7 +83,33 @@
 /* Keys one transaction notes at most; beyond, it wakes every waiter. */
 #define IDEM_WAIT_NOTES		32
 
+/* Room for a scope or key in idem_waits: 64 bytes, "..." and the NUL. */
+#define IDEM_WAIT_TEXT_LEN	(64 + 3 + 1)
+
+/* What one backend waits for, as idem_waits() shows it. */
+typedef struct WaitShown
+{
+	int			pid;			/* 0: not waiting */
+	Oid			dboid;
+	Oid			roleid;			/* the waiting session's user */
+	int			encoding;		/* of its database: of scope and key */
+	IdemWaitKind kind;
+	TransactionId holder_xid;	/* IDEM_WAIT_TRANSACTION */
+	int64		holder_token;	/* IDEM_WAIT_RESULT */
+	TimestampTz since;
+	char		scope[IDEM_WAIT_TEXT_LEN];	/* as idem_key_for_message */
+	char		key[IDEM_WAIT_TEXT_LEN];
+} WaitShown;
+
+/* A backend's entry: written by that backend only. */
+typedef struct WaitEntry
+{
+	pg_atomic_uint32 changecount;	/* odd while the backend writes */
+	WaitShown	shown;
+} WaitEntry;
+
 static ConditionVariable *wait_slots = NULL;
+static WaitEntry *wait_entries = NULL;	/* MaxBackends of them */
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
 
@@ -60,24 +118,37 @@ static int	notes[IDEM_WAIT_NOTES];
 static int	nnotes = 0;
 static bool notes_overflow = false;
 static bool xact_callback_registered = false;
+static bool subxact_callback_registered = false;
 
 /* The slot the current waiter sleeps on; -1 when it polls. */
 static int	waiting_slot = -1;
 
-/* Ask for the condition variables. */
+/* The key of the current wait_for wait, and when it began (0: not yet). */
+static text *waiting_scope = NULL;
+static text *waiting_key = NULL;
+static TimestampTz waiting_since = 0;
+
+/* What this backend's entry shows; NULL when it shows nothing. */
+static WaitShown *shown = NULL;
+static bool exit_callback_registered = false;
+
+/* Ask for the condition variables and the backends' entries. */
 static void
 waits_shmem_request(void)
 {
 	if (prev_shmem_request_hook)
 		prev_shmem_request_hook();
 	RequestAddinShmemSpace(mul_size(IDEM_WAIT_SLOTS, sizeof(ConditionVariable)));
+	RequestAddinShmemSpace(mul_size(MaxBackends, sizeof(WaitEntry)));
 }
 
-/* Create or attach to the condition variables. */
+/* Create or attach to the condition variables and the backends' entries. */
 static void
 waits_shmem_startup(void)
 {
 	bool		found;
+	bool		entries_found;
+	int			i;
 
 	if (prev_shmem_startup_hook)
 		prev_shmem_startup_hook();
@@ -88,10 +159,17 @@ waits_shmem_startup(void)
 								 &found);
 	if (!found)
 	{
-		int			i;
-
 		for (i = 0; i < IDEM_WAIT_SLOTS; i++)
 			ConditionVariableInit(&wait_slots[i]);
+	}
+	wait_entries = ShmemInitStruct("idem wait entries",
+								   mul_size(MaxBackends, sizeof(WaitEntry)),
+								   &entries_found);
+	if (!entries_found)
+	{
+		memset(wait_entries, 0, mul_size(MaxBackends, sizeof(WaitEntry)));
+		for (i = 0; i < MaxBackends; i++)
+			pg_atomic_init_u32(&wait_entries[i].changecount, 0);
 	}
 	LWLockRelease(AddinShmemInitLock);
 }
@@ -119,7 +197,11 @@ key_slot(text *scope, text *key)
 	return (int) (h % IDEM_WAIT_SLOTS);
 }
 
-/* Wake the waiters of the keys a committed transaction changed. */
+/*
+ * Wake the waiters of the keys a committed transaction changed.  At the
+ * end of a transaction no wait of this backend goes on: a wait that ended
+ * with the error that aborts it is cleared.
+ */
 static void
 waits_xact_callback(XactEvent event, void *arg)
 {
@@ -145,10 +227,23 @@ waits_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_PREPARE:
 			nnotes = 0;
 			notes_overflow = false;
+			idem_waits_hide();
 			break;
 		default:
 			break;
 	}
+}
+
+/*
+ * A wait that ended with the error that aborts a subtransaction (a
+ * PL/pgSQL block that catches it) is over.
+ */
+static void
+waits_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					   SubTransactionId parentSubid, void *arg)
+{
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		idem_waits_hide();
 }
 
 /*
@@ -185,15 +280,120 @@ idem_waits_note_change(text *scope, text *key)
 static uint32
 wait_event(void)
 {
-#if PG_VERSION_NUM >= 170000
 	static uint32 event = 0;
 
-	if (event == 0)
-		event = WaitEventExtensionNew("IdemWaitForResult");
-	return event;
-#else
-	return PG_WAIT_EXTENSION;
-#endif
+	return idem_wait_event(&event, "IdemWaitForResult");
+}
+
+/* This backend's entry, or NULL if there are none or it has none. */
+static WaitEntry *
+my_entry(void)
+{
+	int			procno;
+
+	if (wait_entries == NULL || MyProc == NULL)
+		return NULL;
+	procno = idem_my_proc_number();
+	if (procno < 0 || procno >= MaxBackends)
+		return NULL;
+	return &wait_entries[procno];
+}
+
+/*
+ * Write this backend's entry: a copy of *what, or nothing if what is NULL.
+ * Readers see the old or the new entry, never half of each.  Nothing in
+ * between can fail.
+ */
+static void
+write_entry(WaitEntry *entry, const WaitShown *what)
+{
+	uint32		count = pg_atomic_read_u32(&entry->changecount);
+
+	START_CRIT_SECTION();
+	pg_atomic_write_u32(&entry->changecount, count + 1);
+	pg_write_barrier();
+	if (what != NULL)
+		memcpy(&entry->shown, what, sizeof(WaitShown));
+	else
+		entry->shown.pid = 0;
+	pg_write_barrier();
+	pg_atomic_write_u32(&entry->changecount, count + 2);
+	END_CRIT_SECTION();
+}
+
+/* Clear this backend's entry when it exits, also on FATAL. */
+static void
+waits_backend_exit(int code, Datum arg)
+{
+	idem_waits_hide();
+}
+
+/* A scope or key as shown: clipped as in error messages. */
+static void
+set_shown_text(char *dst, text *src)
+{
+	char	   *s = idem_key_for_message(src);
+
+	strlcpy(dst, s, IDEM_WAIT_TEXT_LEN);
+	pfree(s);
+}
+
+/*
+ * Show in idem_waits that this backend is about to wait for the key:
+ * kind IDEM_WAIT_TRANSACTION for the transaction holder_xid,
+ * IDEM_WAIT_RESULT for the result of the claim with holder_token.  Only
+ * called before a wait; idem_waits_hide clears it after.
+ */
+void
+idem_waits_show(IdemWaitKind kind, text *scope, text *key,
+				TransactionId holder_xid, int64 holder_token)
+{
+	static WaitShown what;
+	WaitEntry  *entry = my_entry();
+
+	if (entry == NULL || scope == NULL || key == NULL)
+		return;
+	if (!exit_callback_registered)
+	{
+		before_shmem_exit(waits_backend_exit, (Datum) 0);
+		exit_callback_registered = true;
+	}
+	if (!xact_callback_registered)
+	{
+		RegisterXactCallback(waits_xact_callback, NULL);
+		xact_callback_registered = true;
+	}
+	if (!subxact_callback_registered)
+	{
+		RegisterSubXactCallback(waits_subxact_callback, NULL);
+		subxact_callback_registered = true;
+	}
+	what.pid = MyProcPid;
+	what.dboid = MyDatabaseId;
+	what.roleid = GetSessionUserId();
+	what.encoding = GetDatabaseEncoding();
+	what.kind = kind;
+	what.holder_xid = holder_xid;
+	what.holder_token = holder_token;
+	what.since = (kind == IDEM_WAIT_RESULT && waiting_since != 0) ?
+		waiting_since : GetCurrentTimestamp();
+	set_shown_text(what.scope, scope);
+	set_shown_text(what.key, key);
+	write_entry(entry, &what);
+	shown = &what;
+}
+
+/* Clear what idem_waits_show showed, if anything. */
+void
+idem_waits_hide(void)
+{
+	WaitEntry  *entry;
+
+	if (shown == NULL)
+		return;
+	shown = NULL;
+	if ((entry = my_entry()) != NULL)
+		write_entry(entry, NULL);
 }
 
 /*
@@ -204,6 +404,9 @@ wait_event(void)
 void
 idem_waits_prepare(text *scope, text *key)
 {
+	waiting_scope = scope;
+	waiting_key = key;
+	waiting_since = 0;
 	if (wait_slots == NULL || RecoveryInProgress())
 	{
 		waiting_slot = -1;
@@ -217,10 +420,12 @@ idem_waits_prepare(text *scope, text *key)
  * Sleep until a change of the key is committed, or until (idem's clock),
  * whichever comes first; without a condition variable, for at most
  * IDEM_WAIT_POLL_MS.  Interrupts (cancel, statement_timeout) end it with
- * an error.  Returns false once until has passed.
+ * an error.  Returns false once until has passed.  idem_waits shows the
+ * wait, for the claim with holder_token, from the first sleep of the
+ * wait on.
  */
 bool
-idem_waits_sleep(TimestampTz until)
+idem_waits_sleep(TimestampTz until, int64 holder_token)
 {
 	TimestampTz now = idem_now();
 	long		ms;
@@ -228,6 +433,14 @@ idem_waits_sleep(TimestampTz until)
 	if (now >= until)
 		return false;
 	ms = (long) ((until - now + 999) / 1000);
+	if (shown == NULL || shown->kind != IDEM_WAIT_RESULT ||
+		shown->holder_token != holder_token)
+	{
+		idem_waits_show(IDEM_WAIT_RESULT, waiting_scope, waiting_key,
+						InvalidTransactionId, holder_token);
+		if (shown != NULL)
+			waiting_since = shown->since;
+	}
 	if (waiting_slot < 0)
 	{
 		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
@@ -248,4 +461,153 @@ idem_waits_done(void)
 	if (waiting_slot >= 0)
 		ConditionVariableCancelSleep();
 	waiting_slot = -1;
+	idem_waits_hide();
+	waiting_scope = NULL;
+	waiting_key = NULL;
+	waiting_since = 0;
+}
+
+/* Error out unless the backends' entries exist. */
+static void
+require_entries(void)
+{
+	if (wait_entries == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem waits are not tracked: the library is not preloaded"),
+				 errhint("Add idem to shared_preload_libraries and restart the server.")));
+}
+
+/*
+ * The backend running transaction xid (its top-level transaction, if xid
+ * is a subtransaction's), or 0 if none does (it ended, or it is prepared).
+ */
+static int
+holder_pid(TransactionId xid)
+{
+	int			pid = BackendXidGetPid(xid);
+
+	/* pg_subtrans can be read for transactions this snapshot may see running. */
+	if (pid == 0 && TransactionIdIsNormal(xid) &&
+		TransactionIdFollowsOrEquals(xid, TransactionXmin))
+	{
+		TransactionId top = SubTransGetTopmostTransaction(xid);
+
+		if (top != xid)
+			pid = BackendXidGetPid(top);
+	}
+	return pid;
+}
+
+/*
+ * A scope or key of a database of the given encoding, as text of this
+ * one: if the encodings differ, each character beyond ASCII becomes '?'.
+ */
+static Datum
+shown_text(const char *s, int encoding)
+{
+	StringInfoData buf;
+	const char *end;
+
+	if (encoding == GetDatabaseEncoding() || pg_is_ascii(s))
+		return CStringGetTextDatum(s);
+	initStringInfo(&buf);
+	end = s + strlen(s);
+	while (s < end)
+	{
+		if (IS_HIGHBIT_SET(*s))
+		{
+			appendStringInfoChar(&buf, '?');
+			s += Min(pg_encoding_mblen(encoding, s), end - s);
+		}
+		else
+			appendStringInfoChar(&buf, *s++);
+	}
+	return PointerGetDatum(cstring_to_text_with_len(buf.data, buf.len));
+}
+
+/* The columns of idem_waits(). */
+#define IDEM_WAITS_COLS		9
+
+/*
+ * idem_waits(): one row per backend waiting for a key.  The scope, the
+ * key and the claim's token are shown, as pg_stat_activity shows a
+ * query, to members of pg_read_all_stats and to roles with the privileges
+ * of the waiting session's user; to others they are NULL.
+ */
+Datum
+idem_waits(PG_FUNCTION_ARGS)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	bool		read_all = has_privs_of_role(GetUserId(), ROLE_PG_READ_ALL_STATS);
+	int			i;
+
+	require_entries();
+	InitMaterializedSRF(fcinfo, 0);
+	if (rsinfo->setDesc->natts != IDEM_WAITS_COLS)
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("idem_waits() is declared with %d columns, expected %d",
+						rsinfo->setDesc->natts, IDEM_WAITS_COLS),
+				 errhint("Run ALTER EXTENSION idem UPDATE.")));
+
+	for (i = 0; i < MaxBackends; i++)
+	{
+		WaitEntry  *entry = &wait_entries[i];
+		WaitShown	w;
+		Datum		values[IDEM_WAITS_COLS];
+		bool		nulls[IDEM_WAITS_COLS];
+		bool		visible;
+
+		/* A copy the backend did not change while it was taken. */
+		for (;;)
+		{
+			uint32		before = pg_atomic_read_u32(&entry->changecount);
+			uint32		after;
+
+			pg_read_barrier();
+			memcpy(&w, &entry->shown, sizeof(WaitShown));
+			pg_read_barrier();
+			after = pg_atomic_read_u32(&entry->changecount);
+			if (before == after && (before & 1) == 0)
+				break;
+			CHECK_FOR_INTERRUPTS();
+		}
+		if (w.pid == 0)
+			continue;
+		w.scope[IDEM_WAIT_TEXT_LEN - 1] = '\0';
+		w.key[IDEM_WAIT_TEXT_LEN - 1] = '\0';
+		visible = read_all || has_privs_of_role(GetUserId(), w.roleid);
+
+		memset(nulls, false, sizeof(nulls));
+		values[0] = Int32GetDatum(w.pid);
+		values[1] = ObjectIdGetDatum(w.dboid);
+		if (visible)
+		{
+			values[2] = shown_text(w.scope, w.encoding);
+			values[3] = shown_text(w.key, w.encoding);
+		}
+		else
+			nulls[2] = nulls[3] = true;
+		values[4] = CStringGetTextDatum(w.kind == IDEM_WAIT_TRANSACTION ?
+										"transaction" : "result");
+		nulls[5] = nulls[6] = nulls[7] = true;
+		if (w.kind == IDEM_WAIT_TRANSACTION)
+		{
+			int			pid = holder_pid(w.holder_xid);
+
+			values[5] = Int32GetDatum(pid);
+			nulls[5] = (pid == 0);
+			values[6] = TransactionIdGetDatum(w.holder_xid);
+			nulls[6] = false;
+		}
+		else if (visible)
+		{
+			values[7] = Int64GetDatum(w.holder_token);
+			nulls[7] = false;
+		}
+		values[8] = TimestampTzGetDatum(w.since);
+		tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	}
+	return (Datum) 0;
 }

@@ -75,6 +75,7 @@
 #include "utils/timestamp.h"
 #include "utils/wait_event.h"
 
+#include "compat.h"
 #include "purge.h"
 #include "settings.h"
 #include "stats.h"
@@ -173,15 +174,9 @@ static emit_log_hook_type prev_emit_log_hook = NULL;
 static uint32
 launcher_wait_event(void)
 {
-#if PG_VERSION_NUM >= 170000
 	static uint32 wait_event = 0;
 
-	if (wait_event == 0)
-		wait_event = WaitEventExtensionNew("IdemLauncherMain");
-	return wait_event;
-#else
-	return PG_WAIT_EXTENSION;
-#endif
+	return idem_wait_event(&wait_event, "IdemLauncherMain");
 }
 
 /*

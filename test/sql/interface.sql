@@ -42,9 +42,10 @@ SELECT f AS function, has_function_privilege('regress_idem_app', f, 'EXECUTE') A
                     'idem_purge(integer)',
                     'idem_lookup(text,text)',
                     'idem_stats()',
-                    'idem_stats_reset()']) f;
+                    'idem_stats_reset()',
+                    'idem_waits()']) f;
 SELECT v AS view, has_table_privilege('regress_idem_app', v, 'SELECT') AS "select"
-  FROM unnest(ARRAY['idem_keys', 'idem_stats']) v;
+  FROM unnest(ARRAY['idem_keys', 'idem_stats', 'idem_waits']) v;
 
 -- An application role granted EXECUTE on the four claim functions, with
 -- no grant on idem.keys, claims and completes keys through the functions,

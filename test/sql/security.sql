@@ -213,9 +213,10 @@ GRANT EXECUTE ON FUNCTION
 -- It cannot pass on what it was not granted.
 SELECT try($$GRANT EXECUTE ON FUNCTION idem_purge(integer) TO regress_idem_sec_sub$$);
 RESET ROLE;
-GRANT EXECUTE ON FUNCTION idem_purge(integer), idem_lookup(text, text), idem_stats()
+GRANT EXECUTE ON FUNCTION idem_purge(integer), idem_lookup(text, text), idem_stats(),
+  idem_waits()
   TO regress_idem_sec_ops;
-GRANT SELECT ON idem_keys, idem_stats TO regress_idem_sec_ops;
+GRANT SELECT ON idem_keys, idem_stats, idem_waits TO regress_idem_sec_ops;
 
 -- Who may do what: 'ok' or the SQLSTATE.  Each call runs as the role in a
 -- subtransaction that is rolled back, so nothing it stores stays (the
@@ -263,6 +264,8 @@ SELECT q AS call,
     ($$SELECT * FROM idem_stats$$),
     ($$SELECT idem_stats()$$),
     ($$SELECT idem_stats_reset()$$),
+    ($$SELECT * FROM idem_waits$$),
+    ($$SELECT idem_waits()$$),
     ($$SELECT * FROM idem.keys$$),
     ($$SELECT nextval('idem.token_seq')$$),
     ($$SET idem.clock_offset = '1h'$$),
@@ -281,6 +284,7 @@ SET ROLE regress_idem_sec_none;
 SELECT try($$SELECT idem_begin('s-none', 'fp')$$);
 SELECT try($$SELECT idem_lookup('s-live')$$);
 SELECT try($$SELECT * FROM idem_keys$$);
+SELECT try($$SELECT * FROM idem_waits$$);
 RESET ROLE;
 SELECT count(*) AS none_stored FROM idem.keys WHERE key = 's-none';
 -- The grants as catalogued.

@@ -195,7 +195,8 @@ SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n'
   FROM ext_objects();
 -- An update from 1.1 installed under such defaults: the schema, the key
 -- table and the token sequence become owner-only; grants on functions and
--- views, which administrators make on purpose, stay.
+-- views, which administrators make on purpose, stay; a view the update
+-- creates (idem_waits) is owner-only.
 \c regress_idem_defpriv11
 ALTER DEFAULT PRIVILEGES GRANT SELECT ON TABLES TO regress_idem_reporting;
 ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO regress_idem_reporting;
@@ -207,6 +208,7 @@ ALTER EXTENSION idem UPDATE;
 SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema_usage,
        has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
+       has_table_privilege('regress_idem_reporting', 'idem_waits', 'SELECT') AS new_view_select,
        has_function_privilege('regress_idem_upgrade_app',
                               'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS app_grant_kept;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
