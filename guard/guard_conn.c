@@ -621,6 +621,52 @@ idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 }
 
 /*
+ * Run one statement inside the caller's open transaction (a step's
+ * business transaction), within the deadline (NULL: none): no BEGIN or
+ * COMMIT of its own, and no server-side timeouts, which would last to the
+ * end of the caller's transaction.  A test clock offset (0: none) is set
+ * for the rest of that transaction.  Returns the result or NULL with *err
+ * set; an error leaves the transaction failed, for the caller to roll back.
+ */
+PGresult *
+idem_guard_conn_exec_in_tx(PGconn *conn, const GuardStatement *st,
+					  int clock_offset_s, const struct timespec *deadline,
+					  GuardError *err)
+{
+	PGresult   *res;
+	bool		uncertain;
+
+	err->timed_out = false;
+	if (conn == NULL || PQstatus(conn) != CONNECTION_OK)
+	{
+		idem_guard_error_text(err, NULL, conn ? PQerrorMessage(conn) :
+						 "no connection");
+		return NULL;
+	}
+	if (PQtransactionStatus(conn) != PQTRANS_INTRANS)
+	{
+		idem_guard_error(err, "connection is not inside an open transaction");
+		return NULL;
+	}
+	if (clock_offset_s != 0)
+	{
+		char		offset[16];
+		const char *values[1] = {offset};
+
+		snprintf(offset, sizeof(offset), "%d", clock_offset_s);
+		if (!run_command(conn, SQL_CLOCK, 1, values, deadline, NULL, err))
+			return NULL;
+	}
+	res = run_statement(conn, st, deadline, NULL, err, &uncertain);
+	if (res != NULL && uncertain)
+	{
+		PQclear(res);
+		return NULL;
+	}
+	return res;
+}
+
+/*
  * Re-make a lost connection without blocking: give up at the deadline or
  * as soon as stop is requested.  True if the connection is made.
  */

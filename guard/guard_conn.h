@@ -82,6 +82,11 @@ extern PGresult *idem_guard_conn_exec(PGconn *conn, const GuardStatement *st,
 								 const struct timespec *deadline,
 								 GuardStop *stop, GuardError *err,
 								 bool *uncertain);
+extern PGresult *idem_guard_conn_exec_in_tx(PGconn *conn,
+										const GuardStatement *st,
+										int clock_offset_s,
+										const struct timespec *deadline,
+										GuardError *err);
 extern bool idem_guard_conn_reset(PGconn *conn, const struct timespec *deadline,
 							 GuardStop *stop);
 

@@ -68,18 +68,28 @@
 	" COALESCE(pg_catalog.current_setting('idem.clock_offset', true)," \
 	" '0')::pg_catalog.interval))" \
 	" OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8" \
-	" FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
+	"%s FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
 	" $6::pg_catalog.bool"
 #define SQL_BEGIN			SQL_BEGIN_ROW ") b"
 /* The same with wait_for (idem 1.4): a duplicate waits for the answer. */
 #define SQL_BEGIN_WAIT		SQL_BEGIN_ROW ", $7::pg_catalog.interval) b"
+/* The extra columns of a claim for steps: the crashed claim's checkpoint. */
+#define SQL_BEGIN_STEPS_COLS	", b.phase, b.phase_data"
+#define BEGIN_COLS			6
+#define BEGIN_STEPS_COLS	8
 #define SQL_COMPLETE \
 	"SELECT %s.idem_complete($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.int4, $4::pg_catalog.bytea, $5::pg_catalog.int8," \
 	" $6::pg_catalog.interval, $7::pg_catalog.text)"
 #define SQL_RELEASE \
 	"SELECT %s.idem_release($1::pg_catalog.text, $2::pg_catalog.int8," \
+	" $3::pg_catalog.text)"
+#define SQL_CHECKPOINT \
+	"SELECT %s.idem_checkpoint($1::pg_catalog.text, $2::pg_catalog.int8," \
+	" $3::pg_catalog.text, $4::pg_catalog.bytea, $5::pg_catalog.text)"
+#define SQL_HOLD \
+	"SELECT %s.idem_hold($1::pg_catalog.text, $2::pg_catalog.int8," \
 	" $3::pg_catalog.text)"
 #define SQL_EXTEND \
 	"SELECT %s.idem_extend($1::pg_catalog.text, $2::pg_catalog.int8," \
@@ -93,6 +103,8 @@
 #define FN_COMPLETE \
 	"idem_complete(text, text, integer, bytea, bigint, interval, text)"
 #define FN_RELEASE	"idem_release(text, bigint, text)"
+#define FN_CHECKPOINT	"idem_checkpoint(text, bigint, text, bytea, text)"
+#define FN_HOLD		"idem_hold(text, bigint, text)"
 
 /* Room for a statement with its schema. */
 #define SQL_LEN					1024
@@ -123,6 +135,31 @@ typedef struct GuardCall
 	char		token[24];		/* of the claim, as text */
 	long		lease_ms;		/* the claim's lease, from its lease_until */
 } GuardCall;
+
+/*
+ * The steps of one guarded call (IdemGuardOptions.steps): what a takeover
+ * inherited, the output the next step gets, and the step running now.
+ */
+typedef struct IdemSteps
+{
+	GuardCall  *gc;
+	char	   *resume;			/* phase to resume after; NULL: none */
+	bool		resuming;		/* skipping steps until resume is met */
+	bool		checkpointed;	/* the claim holds a checkpoint */
+	unsigned char *data;		/* output of the last finished step */
+	size_t		data_len;
+	bool		has_data;
+	/* The step running now. */
+	unsigned char *out;
+	size_t		out_len;
+	bool		has_out;
+	bool		stored;			/* checkpointed inside its transaction */
+	GuardError	err;			/* its last failure */
+	int			run;
+	int			skipped;
+	bool		failed;			/* a step failed: err tells why */
+	char		failed_step[64];
+} IdemSteps;
 
 /*
  * A running heartbeat: a thread extending one claim's lease.  It keeps
@@ -602,6 +639,43 @@ copy_response(const GuardCall *gc, const PGresult *row, IdemResponse *resp)
 }
 
 /*
+ * Take the crashed claim's checkpoint from a claim row (binary: phase is
+ * its text, phase_data its bytes): the phase to resume after and the
+ * output its step left.  False if memory ran out.
+ */
+static bool
+steps_inherit(IdemSteps *steps, const PGresult *row, IdemResult *res)
+{
+	if (PQgetisnull(row, 0, 6))
+		return true;
+	steps->resume = strdup(PQgetvalue(row, 0, 6));
+	if (steps->resume == NULL)
+		return false;
+	steps->resuming = true;
+	steps->checkpointed = true;
+	snprintf(res->resumed_after, sizeof(res->resumed_after), "%s",
+			 steps->resume);
+	if (PQgetisnull(row, 0, 7))
+		return true;
+	steps->data_len = (size_t) PQgetlength(row, 0, 7);
+	steps->data = malloc(steps->data_len > 0 ? steps->data_len : 1);
+	if (steps->data == NULL)
+		return false;
+	memcpy(steps->data, PQgetvalue(row, 0, 7), steps->data_len);
+	steps->has_data = true;
+	return true;
+}
+
+/* Free what the steps of a call hold. */
+static void
+steps_free(IdemSteps *steps)
+{
+	free(steps->resume);
+	free(steps->data);
+	free(steps->out);
+}
+
+/*
  * Prepare a guarded call: defaults, the quoted schema, and the lease and
  * retention as the statements send them.  False with *err set if the
  * schema name is too long.
@@ -658,7 +732,7 @@ call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
  * REPLAYED, CONFLICT, IN_FLIGHT, or UNAVAILABLE with the failed step.
  */
 static bool
-guard_claim(GuardCall *gc, IdemResult *res)
+guard_claim(GuardCall *gc, IdemSteps *steps, IdemResult *res)
 {
 	const char *values[7];
 	char		sql[SQL_LEN];
@@ -668,6 +742,8 @@ guard_claim(GuardCall *gc, IdemResult *res)
 	GuardError	err;
 	bool		uncertain;
 	int			timeout_ms = gc->opts->timeout_ms;
+	int			ncols = steps ? BEGIN_STEPS_COLS : BEGIN_COLS;
+	const char *cols = steps ? SQL_BEGIN_STEPS_COLS : "";
 	int64_t		token;
 	int64_t		lease_ms;
 	const char *state;
@@ -692,12 +768,12 @@ guard_claim(GuardCall *gc, IdemResult *res)
 				 gc->opts->wait_for_ms);
 		values[6] = wait_for;
 		st.nparams = 7;
-		snprintf(sql, sizeof(sql), SQL_BEGIN_WAIT, gc->schema);
+		snprintf(sql, sizeof(sql), SQL_BEGIN_WAIT, cols, gc->schema);
 		if (timeout_ms > 0)
 			timeout_ms += gc->opts->wait_for_ms;
 	}
 	else
-		snprintf(sql, sizeof(sql), SQL_BEGIN, gc->schema);
+		snprintf(sql, sizeof(sql), SQL_BEGIN, cols, gc->schema);
 	row = call_statement(gc->conn, &st, timeout_ms,
 						 gc->opts->clock_offset_s, NULL, &err, &uncertain);
 	if (row == NULL)
@@ -706,7 +782,7 @@ guard_claim(GuardCall *gc, IdemResult *res)
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
-	if (PQntuples(row) != 1 || PQnfields(row) != 6 ||
+	if (PQntuples(row) != 1 || PQnfields(row) != ncols ||
 		PQgetisnull(row, 0, 1))
 	{
 		PQclear(row);
@@ -743,20 +819,36 @@ guard_claim(GuardCall *gc, IdemResult *res)
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
-	PQclear(row);
 	res->token = token;
+	if (steps != NULL && !steps_inherit(steps, row, res))
+	{
+		/* Not released: that would drop the crashed claim's checkpoint. */
+		PQclear(row);
+		idem_guard_error(&err, "out of memory copying the checkpoint");
+		fail_step(res, IDEM_STEP_BEGIN, &err);
+		res->checkpointed = true;
+		return false;
+	}
+	PQclear(row);
 	snprintf(gc->token, sizeof(gc->token), "%" PRId64, token);
 	gc->lease_ms = (long) (lease_ms > 0 ? lease_ms : 1);
 
 	if (uncertain)
 	{
-		/* Claimed, but maybe not committed: give it up, do not run. */
+		/*
+		 * Claimed, but maybe not committed: give it up, do not run.  A
+		 * takeover of a checkpointed claim is left to its lease instead,
+		 * as a release would drop the checkpoint.
+		 */
 		GuardError	rerr;
 
-		res->released = release_claim(gc, &rerr);
+		if (steps == NULL || !steps->checkpointed)
+			res->released = release_claim(gc, &rerr);
 		snprintf(res->message, sizeof(res->message),
 				 "claim not confirmed (%.150s); %s", err.message,
-				 res->released ? "released" : "not released");
+				 res->released ? "released" :
+				 (steps != NULL && steps->checkpointed) ?
+				 "left to its lease (checkpointed)" : "not released");
 		memcpy(res->sqlstate, err.sqlstate, sizeof(res->sqlstate));
 		res->failed = IDEM_STEP_BEGIN;
 		return false;
@@ -770,8 +862,8 @@ guard_claim(GuardCall *gc, IdemResult *res)
  * could not start; otherwise sets *herr to the handler's return value.
  */
 static bool
-guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
-		  int *herr)
+guard_run(GuardCall *gc, IdemSteps *steps, IdemHandler handler, void *arg,
+		  IdemResult *res, int *herr)
 {
 	IdemClaim	claim;
 	IdemHeartbeat *hb = NULL;
@@ -781,6 +873,7 @@ guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
 	claim.scope = gc->scope;
 	claim.token = res->token;
 	claim.heartbeat = NULL;
+	claim.steps = steps;
 
 	/* A long handler without its heartbeat could lose the key: give up. */
 	if (gc->opts->heartbeat_conninfo != NULL)
@@ -791,7 +884,9 @@ guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
 			GuardError	rerr;
 
 			fail_step(res, IDEM_STEP_HEARTBEAT, &err);
-			res->released = release_claim(gc, &rerr);
+			if (steps == NULL || !steps->checkpointed)
+				res->released = release_claim(gc, &rerr);
+			res->checkpointed = steps != NULL && steps->checkpointed;
 			return false;
 		}
 		claim.heartbeat = hb;
@@ -801,6 +896,12 @@ guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
 	*herr = handler(&claim, arg, &res->resp);
 	if (hb != NULL)
 		heartbeat_stop(hb, res);
+	if (steps != NULL)
+	{
+		res->steps_run = steps->run;
+		res->steps_skipped = steps->skipped;
+		res->checkpointed = steps->checkpointed;
+	}
 	return true;
 }
 
@@ -809,17 +910,43 @@ guard_run(GuardCall *gc, IdemHandler handler, void *arg, IdemResult *res,
  * it), or store its response.
  */
 static void
-guard_finish(GuardCall *gc, int herr, IdemResult *res)
+guard_finish(GuardCall *gc, IdemSteps *steps, int herr, IdemResult *res)
 {
 	GuardError	err;
 
+	/* Steps skipped for a checkpoint that never came: not done. */
+	if (herr == 0 && steps != NULL && steps->resuming)
+	{
+		herr = IDEM_STEP_FAILED;
+		idem_guard_error(&steps->err,
+						 "the checkpointed phase \"%.64s\" is no step of the"
+						 " handler: steps were skipped", steps->resume);
+		steps->failed = true;
+		steps->failed_step[0] = '\0';
+	}
 	if (herr != 0)
 	{
 		GuardError	rerr;
 
-		idem_guard_error(&err, "handler failed (%d)", herr);
+		if (steps != NULL && steps->failed)
+		{
+			snprintf(err.sqlstate, sizeof(err.sqlstate), "%s",
+					 steps->err.sqlstate);
+			if (steps->failed_step[0])
+				snprintf(err.message, sizeof(err.message),
+						 "step \"%.64s\" failed (%d): %.160s",
+						 steps->failed_step, herr, steps->err.message);
+			else
+				snprintf(err.message, sizeof(err.message), "%s",
+						 steps->err.message);
+		}
+		else
+			idem_guard_error(&err, "handler failed (%d)", herr);
 		fail_step(res, IDEM_STEP_HANDLER, &err);
 		if (gc->opts->keep_claim_on_error)
+			return;
+		/* A release would drop the checkpoint: resume after the lease. */
+		if (steps != NULL && steps->checkpointed)
 			return;
 		res->released = release_claim(gc, &rerr);
 		if (!res->released)
@@ -868,6 +995,8 @@ idem_guard_do_opts(PGconn *conn, const IdemGuardOptions *opts,
 	IdemGuardOptions defaults;
 	GuardCall	gc;
 	GuardError	err;
+	IdemSteps	steps;
+	IdemSteps  *sp = NULL;
 	int			herr = 0;
 
 	if (opts == NULL)
@@ -882,8 +1011,17 @@ idem_guard_do_opts(PGconn *conn, const IdemGuardOptions *opts,
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return res->outcome;
 	}
-	if (guard_claim(&gc, res) && guard_run(&gc, handler, arg, res, &herr))
-		guard_finish(&gc, herr, res);
+	if (opts->steps)
+	{
+		memset(&steps, 0, sizeof(steps));
+		steps.gc = &gc;
+		sp = &steps;
+	}
+	if (guard_claim(&gc, sp, res) &&
+		guard_run(&gc, sp, handler, arg, res, &herr))
+		guard_finish(&gc, sp, herr, res);
+	if (sp != NULL)
+		steps_free(sp);
 	return res->outcome;
 }
 
@@ -982,4 +1120,217 @@ idem_fault_fail_n(void *fault_arg, const char *op)
 			return 1;
 	}
 	return 0;
+}
+
+/*
+ * Store a step's checkpoint with idem_checkpoint: on the call's connection
+ * in a transaction of its own (in_tx NULL), or inside the step's open
+ * transaction on in_tx.
+ */
+static bool
+checkpoint_step(IdemSteps *st, PGconn *in_tx, const char *name,
+				GuardError *err)
+{
+	GuardCall  *gc = st->gc;
+	const char *values[5];
+	int			lengths[5] = {0, 0, 0, 0, 0};
+	int			formats[5] = {0, 0, 0, 1, 0};
+	PGresult   *res;
+
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "checkpoint", err))
+		return false;
+	if (st->out_len > (size_t) INT32_MAX)
+	{
+		idem_guard_error(err, "output of step \"%.64s\" is too large", name);
+		return false;
+	}
+	values[0] = gc->key;
+	values[1] = gc->token;
+	values[2] = name;
+	values[3] = st->has_out ? (const char *) (st->out ? st->out :
+											  (unsigned char *) "") : NULL;
+	lengths[3] = (int) st->out_len;
+	values[4] = gc->scope;
+	if (in_tx == NULL)
+		res = call_exec(gc, SQL_CHECKPOINT, 5, values, lengths, formats, err);
+	else
+	{
+		char		sql[SQL_LEN];
+		GuardStatement stmt = {sql, 5, values, lengths, formats, 0};
+		struct timespec deadline;
+
+		snprintf(sql, sizeof(sql), SQL_CHECKPOINT, gc->schema);
+		if (gc->opts->timeout_ms > 0)
+			idem_guard_statement_deadline(&deadline, gc->opts->timeout_ms);
+		res = idem_guard_conn_exec_in_tx(in_tx, &stmt,
+										 gc->opts->clock_offset_s,
+										 gc->opts->timeout_ms > 0 ?
+										 &deadline : NULL, err);
+	}
+	if (res == NULL)
+	{
+		name_missing(gc, FN_CHECKPOINT, err);
+		return false;
+	}
+	PQclear(res);
+	return true;
+}
+
+/* Run fn as step name of the claim, or skip it; see idem_guard.h. */
+int
+idem_guard_step(const IdemClaim *claim, const char *name, IdemStepFn fn,
+				void *arg)
+{
+	IdemSteps  *st = claim->steps;
+	IdemPhase	phase;
+	int			rc;
+
+	/* Without IdemGuardOptions.steps there is no checkpoint to resume. */
+	if (st == NULL)
+		return IDEM_STEP_FAILED;
+	/* Never a step after a failed one. */
+	if (st->failed)
+		return IDEM_STEP_FAILED;
+	if (name == NULL || name[0] == '\0')
+	{
+		idem_guard_error(&st->err, "a step needs a name");
+		st->failed = true;
+		st->failed_step[0] = '\0';
+		return IDEM_STEP_FAILED;
+	}
+	if (st->resuming)
+	{
+		/* Checkpointed by the crashed claim: this step or a later one. */
+		st->skipped++;
+		if (strcmp(name, st->resume) == 0)
+			st->resuming = false;
+		return 0;
+	}
+
+	memset(&phase, 0, sizeof(phase));
+	phase.name = name;
+	phase.key = claim->key;
+	phase.scope = claim->scope;
+	phase.token = claim->token;
+	phase.input = st->has_data ? (st->data ? st->data :
+								  (const unsigned char *) "") : NULL;
+	phase.input_len = st->data_len;
+	phase.steps = st;
+	free(st->out);
+	st->out = NULL;
+	st->out_len = 0;
+	st->has_out = false;
+	st->stored = false;
+	st->err.sqlstate[0] = '\0';
+	st->err.message[0] = '\0';
+
+	rc = fn(&phase, arg);
+	if (rc == 0 && !st->stored && !checkpoint_step(st, NULL, name, &st->err))
+		rc = IDEM_STEP_FAILED;
+	if (rc != 0)
+	{
+		if (st->err.message[0] == '\0')
+			idem_guard_error(&st->err, "step returned %d", rc);
+		st->failed = true;
+		snprintf(st->failed_step, sizeof(st->failed_step), "%s", name);
+		return rc;
+	}
+	st->checkpointed = true;
+	st->run++;
+	free(st->data);
+	st->data = st->out;
+	st->data_len = st->out_len;
+	st->has_data = st->has_out;
+	st->out = NULL;
+	st->out_len = 0;
+	st->has_out = false;
+	return 0;
+}
+
+/* Set the running step's output (a copy; NULL data: no output). */
+int
+idem_phase_output(IdemPhase *phase, const void *data, size_t len)
+{
+	IdemSteps  *st = phase->steps;
+	unsigned char *copy = NULL;
+
+	if (st->stored)
+	{
+		idem_guard_error(&st->err, "output of step \"%.64s\" set after its"
+						 " checkpoint", phase->name);
+		return -1;
+	}
+	if (data != NULL)
+	{
+		copy = malloc(len > 0 ? len : 1);
+		if (copy == NULL)
+		{
+			idem_guard_error(&st->err, "out of memory");
+			return -1;
+		}
+		memcpy(copy, data, len);
+	}
+	free(st->out);
+	st->out = copy;
+	st->out_len = data != NULL ? len : 0;
+	st->has_out = data != NULL;
+	return 0;
+}
+
+/* idem_hold the claim inside the step's open transaction on conn. */
+int
+idem_phase_hold(IdemPhase *phase, PGconn *conn)
+{
+	IdemSteps  *st = phase->steps;
+	GuardCall  *gc = st->gc;
+	const char *values[3];
+	char		sql[SQL_LEN];
+	GuardStatement stmt = {sql, 3, values, NULL, NULL, 0};
+	struct timespec deadline;
+	PGresult   *res;
+
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "hold", &st->err))
+		return -1;
+	values[0] = gc->key;
+	values[1] = gc->token;
+	values[2] = gc->scope;
+	snprintf(sql, sizeof(sql), SQL_HOLD, gc->schema);
+	if (gc->opts->timeout_ms > 0)
+		idem_guard_statement_deadline(&deadline, gc->opts->timeout_ms);
+	res = idem_guard_conn_exec_in_tx(conn, &stmt, gc->opts->clock_offset_s,
+									 gc->opts->timeout_ms > 0 ? &deadline : NULL,
+									 &st->err);
+	if (res == NULL)
+	{
+		name_missing(gc, FN_HOLD, &st->err);
+		return -1;
+	}
+	PQclear(res);
+	return 0;
+}
+
+/* idem_checkpoint the step inside its open transaction on conn. */
+int
+idem_phase_checkpoint(IdemPhase *phase, PGconn *conn)
+{
+	IdemSteps  *st = phase->steps;
+
+	if (!checkpoint_step(st, conn, phase->name, &st->err))
+		return -1;
+	st->stored = true;
+	return 0;
+}
+
+/* The running step's last failure, "" if none. */
+const char *
+idem_phase_error(const IdemPhase *phase)
+{
+	return phase->steps->err.message;
+}
+
+/* The SQLSTATE of the running step's last failure, "" if none. */
+const char *
+idem_phase_sqlstate(const IdemPhase *phase)
+{
+	return phase->steps->err.sqlstate;
 }

@@ -73,6 +73,7 @@ typedef struct IdemResponse
 } IdemResponse;
 
 struct IdemHeartbeat;
+struct IdemSteps;
 
 /* The claim a handler runs under. */
 typedef struct IdemClaim
@@ -81,7 +82,37 @@ typedef struct IdemClaim
 	const char *scope;
 	int64_t		token;			/* fencing token: pass it downstream */
 	struct IdemHeartbeat *heartbeat;	/* private */
+	struct IdemSteps *steps;	/* private: idem_guard_step's state */
 } IdemClaim;
+
+/*
+ * A step of a handler run by idem_guard_step: its name, the claim's key,
+ * scope and fencing token, and the output of the step before it (this
+ * run's, or the checkpoint's when the claim took over a crashed one;
+ * NULL if none).  Key an outside call by something that stays the same
+ * on a resume, such as an input an earlier step chose ("key:token" of its
+ * own run): a step that crashed before its checkpoint runs again with the
+ * same input but another token.
+ */
+typedef struct IdemPhase
+{
+	const char *name;
+	const char *key;
+	const char *scope;
+	int64_t		token;
+	const unsigned char *input;
+	size_t		input_len;
+	struct IdemSteps *steps;	/* private */
+} IdemPhase;
+
+/*
+ * A step's work.  Return 0 when it is done (its output set with
+ * idem_phase_output, if any), non-zero on failure.
+ */
+typedef int (*IdemStepFn) (IdemPhase *phase, void *arg);
+
+/* What idem_guard_step returns when the guard, not the step, failed. */
+#define IDEM_STEP_FAILED	(-1)
 
 /*
  * The work to protect.  Fill resp (idem_response_set) and return 0, or
@@ -135,6 +166,10 @@ typedef struct IdemGuardOptions
 								 * long in the server for its answer (a
 								 * replay), release or lapse (a claim);
 								 * needs idem 1.4 */
+	bool		steps;			/* the handler runs idem_guard_step: a
+								 * takeover resumes after the crashed
+								 * claim's last checkpoint; needs idem 1.4
+								 * with recovery points */
 } IdemGuardOptions;
 
 /* What idem_guard_do tells the caller. */
@@ -156,6 +191,12 @@ typedef struct IdemResult
 								 * IDEM_NOT_STORED_BODY was stored in its
 								 * place (failed is COMPLETE, sqlstate and
 								 * message tell why, with the key) */
+	char		resumed_after[64];	/* steps: the checkpointed phase a
+									 * takeover resumed after; "" if none */
+	int			steps_run;		/* steps: steps run and checkpointed */
+	int			steps_skipped;	/* steps: steps skipped as checkpointed */
+	bool		checkpointed;	/* steps: the claim holds a checkpoint, so
+								 * a handler error left it to the lease */
 } IdemResult;
 
 /* A fault hook argument that fails op (NULL: any op) the next n times. */
@@ -186,6 +227,32 @@ extern bool idem_claim_lost(const IdemClaim *claim);
 extern const char *idem_outcome_name(IdemOutcome outcome);
 extern const char *idem_step_name(IdemStep step);
 extern int	idem_fault_fail_n(void *fault_arg, const char *op);
+
+/*
+ * Steps (IdemGuardOptions.steps): run fn as step name of the handler's
+ * claim, unless a crashed claim this one took over checkpointed it or a
+ * later step, and checkpoint it with its output.  Returns 0 when the step
+ * ran and was checkpointed or was skipped, fn's non-zero return, or
+ * IDEM_STEP_FAILED when its checkpoint failed (the claim lost, the
+ * server gone).  On failure, return non-zero from the handler.
+ */
+extern int	idem_guard_step(const IdemClaim *claim, const char *name,
+							IdemStepFn fn, void *arg);
+/* Set the step's output (copied): checkpointed, the next step's input. */
+extern int	idem_phase_output(IdemPhase *phase, const void *data, size_t len);
+/*
+ * Inside the step's own transaction on conn (BEGIN sent, not yet
+ * committed): idem_hold the claim before touching business rows, and
+ * idem_checkpoint the step with its output (set it first) so that both
+ * commit with the business writes; the guard then does not checkpoint it
+ * again.  0, or -1 with the error in idem_phase_error (the transaction
+ * has failed: roll it back).
+ */
+extern int	idem_phase_hold(IdemPhase *phase, PGconn *conn);
+extern int	idem_phase_checkpoint(IdemPhase *phase, PGconn *conn);
+/* The step's last failure ("" if none), and its SQLSTATE. */
+extern const char *idem_phase_error(const IdemPhase *phase);
+extern const char *idem_phase_sqlstate(const IdemPhase *phase);
 
 #ifdef __cplusplus
 }
