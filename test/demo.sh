@@ -13,7 +13,7 @@ make -s
 $sudo make -s install >/dev/null
 
 dir=/tmp/idem-demo.$$
-port=54329
+port=${IDEM_DEMO_PORT:-54329}
 bindir=$(pg_config --bindir)
 trap 'sh "$top/test/cluster.sh" stop "$dir"; rm -rf "$dir"' EXIT
 trap 'exit 130' INT TERM

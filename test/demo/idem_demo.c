@@ -18,15 +18,26 @@
  * 3. The ledger in PostgreSQL tables, one transaction per request (claim,
  *    ledger writes, complete, commit): eight clients, stock decremented
  *    once, the other seven wait for the claim and get the replay.
+ * 4. An order in three steps (idem_guard_step): reserve stock in a
+ *    transaction that holds the key (idem_hold) and checkpoints the step
+ *    with the stock row, charge a provider (a table standing for it, on a
+ *    connection of its own) by the key the reserve step chose, then record
+ *    the charge.  The child process that runs it is killed with SIGKILL
+ *    after the charge; the retry after the lease resumes at the record
+ *    step: the provider saw one charge request, the stock moved once.
  *
  *-------------------------------------------------------------------------
  */
+#include <inttypes.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/types.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "idem_guard.h"
@@ -571,6 +582,320 @@ scenario3(PGconn *conn)
 				  actual, note);
 }
 
+/* What scenario 4's steps work with. */
+typedef struct Order4
+{
+	PGconn	   *conn;			/* the steps' transactions */
+	PGconn	   *provider;		/* the provider's own connection */
+	int			attempt;
+	int			stop_fd;		/* attempt 1: told "charged", then waits */
+	char		error[200];
+} Order4;
+
+/* Run a statement of scenario 4 on conn; false with o->error set. */
+static bool
+exec4(Order4 *o, PGconn *conn, const char *sql, int nparams,
+	  const char *const *values, char *out, size_t outlen)
+{
+	PGresult   *res = PQexecParams(conn, sql, nparams, NULL, values, NULL,
+								   NULL, 0);
+	ExecStatusType st = PQresultStatus(res);
+
+	if (st != PGRES_TUPLES_OK && st != PGRES_COMMAND_OK)
+	{
+		snprintf(o->error, sizeof(o->error), "%s", PQresultErrorMessage(res));
+		PQclear(res);
+		return false;
+	}
+	if (out != NULL)
+		snprintf(out, outlen, "%s", PQntuples(res) == 1 ?
+				 PQgetvalue(res, 0, 0) : "");
+	PQclear(res);
+	return true;
+}
+
+/* A failed step's transaction: roll it back, report why. */
+static int
+fail4(Order4 *o, IdemPhase *phase, const char *what)
+{
+	PGresult   *res;
+
+	if (what != NULL)
+		snprintf(o->error, sizeof(o->error), "%s: %s", what,
+				 idem_phase_error(phase));
+	res = PQexec(o->conn, "ROLLBACK");
+	PQclear(res);
+	printf("scenario 4: attempt %d: step %s failed: %s\n", o->attempt,
+		   phase->name, o->error);
+	fflush(stdout);
+	return 1;
+}
+
+/*
+ * Step "reserve": in one transaction, hold the key, take one item of
+ * stock, and checkpoint the step with the provider key it chose for the
+ * charge: "key:token" of this attempt.
+ */
+static int
+step_reserve(IdemPhase *phase, void *arg)
+{
+	Order4	   *o = arg;
+	const char *values[2] = {phase->key, phase->name};
+	char		provider_key[96];
+	char		qty[16];
+
+	snprintf(provider_key, sizeof(provider_key), "%s:%" PRId64, phase->key,
+			 phase->token);
+	if (!exec4(o, o->conn, "BEGIN", 0, NULL, NULL, 0))
+		return fail4(o, phase, NULL);
+	if (idem_phase_hold(phase, o->conn) != 0)
+		return fail4(o, phase, "idem_hold");
+	if (!exec4(o, o->conn, "UPDATE idem_demo.stock SET qty = qty - 1"
+			   " WHERE sku = 'B' AND qty >= 1 RETURNING qty", 0, NULL,
+			   qty, sizeof(qty)) ||
+		!exec4(o, o->conn, "INSERT INTO idem_demo.phase_runs (key, phase)"
+			   " VALUES ($1, $2)", 2, values, NULL, 0))
+		return fail4(o, phase, NULL);
+	if (idem_phase_output(phase, provider_key, strlen(provider_key)) != 0 ||
+		idem_phase_checkpoint(phase, o->conn) != 0)
+		return fail4(o, phase, "idem_checkpoint");
+	if (!exec4(o, o->conn, "COMMIT", 0, NULL, NULL, 0))
+		return fail4(o, phase, NULL);
+	printf("scenario 4: attempt %d: reserve: stock of B now %s,"
+		   " provider key %s, checkpoint \"reserve\" in the same transaction\n",
+		   o->attempt, qty, provider_key);
+	fflush(stdout);
+	return 0;
+}
+
+/*
+ * Step "charge": ask the provider to charge, keyed by the reserve step's
+ * output, which a resume gets again.  The provider records every request
+ * and charges once per idempotency key.  The guard checkpoints the step
+ * with the charge's id.
+ */
+static int
+step_charge(IdemPhase *phase, void *arg)
+{
+	Order4	   *o = arg;
+	char		provider_key[96];
+	const char *values[1] = {provider_key};
+	char		charge[32];
+
+	if (phase->input == NULL || phase->input_len >= sizeof(provider_key))
+	{
+		snprintf(o->error, sizeof(o->error), "no provider key from reserve");
+		return 1;
+	}
+	memcpy(provider_key, phase->input, phase->input_len);
+	provider_key[phase->input_len] = '\0';
+	if (!exec4(o, o->provider, "INSERT INTO idem_demo.provider_requests"
+			   " (idem_key) VALUES ($1)", 1, values, NULL, 0) ||
+		!exec4(o, o->provider, "INSERT INTO idem_demo.provider_charges"
+			   " (idem_key, cents) VALUES ($1, 1000) ON CONFLICT (idem_key)"
+			   " DO NOTHING", 1, values, NULL, 0) ||
+		!exec4(o, o->provider, "SELECT 'ch_' || id FROM"
+			   " idem_demo.provider_charges WHERE idem_key = $1", 1, values,
+			   charge, sizeof(charge)))
+		return 1;
+	printf("scenario 4: attempt %d: charge: provider charged %s as %s\n",
+		   o->attempt, provider_key, charge);
+	fflush(stdout);
+	return idem_phase_output(phase, charge, strlen(charge));
+}
+
+/* Step "record": store the charge with the order, in one transaction. */
+static int
+step_record(IdemPhase *phase, void *arg)
+{
+	Order4	   *o = arg;
+	char		charge[32];
+	const char *values[2] = {phase->key, charge};
+	const char *run_values[2] = {phase->key, phase->name};
+
+	if (phase->input == NULL || phase->input_len >= sizeof(charge))
+	{
+		snprintf(o->error, sizeof(o->error), "no charge id from charge");
+		return 1;
+	}
+	memcpy(charge, phase->input, phase->input_len);
+	charge[phase->input_len] = '\0';
+	if (!exec4(o, o->conn, "BEGIN", 0, NULL, NULL, 0))
+		return fail4(o, phase, NULL);
+	if (idem_phase_hold(phase, o->conn) != 0)
+		return fail4(o, phase, "idem_hold");
+	if (!exec4(o, o->conn, "INSERT INTO idem_demo.records (key, charge)"
+			   " VALUES ($1, $2)", 2, values, NULL, 0) ||
+		!exec4(o, o->conn, "INSERT INTO idem_demo.phase_runs (key, phase)"
+			   " VALUES ($1, $2)", 2, run_values, NULL, 0))
+		return fail4(o, phase, NULL);
+	if (idem_phase_checkpoint(phase, o->conn) != 0)
+		return fail4(o, phase, "idem_checkpoint");
+	if (!exec4(o, o->conn, "COMMIT", 0, NULL, NULL, 0))
+		return fail4(o, phase, NULL);
+	printf("scenario 4: attempt %d: record: %s recorded for %s,"
+		   " checkpoint \"record\" in the same transaction\n",
+		   o->attempt, charge, phase->key);
+	fflush(stdout);
+	return 0;
+}
+
+/* The order's handler: three steps, then the response. */
+static int
+order_handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
+{
+	Order4	   *o = arg;
+	char		body[64];
+	int			rc;
+
+	printf("scenario 4: attempt %d (pid %d): claimed %s with token %" PRId64
+		   "\n", o->attempt, (int) getpid(), claim->key, claim->token);
+	fflush(stdout);
+	if ((rc = idem_guard_step(claim, "reserve", step_reserve, o)) != 0 ||
+		(rc = idem_guard_step(claim, "charge", step_charge, o)) != 0)
+		return rc;
+	if (o->stop_fd >= 0)
+	{
+		/* Tell the parent, which kills this process now. */
+		if (write(o->stop_fd, "c", 1) != 1)
+			return 1;
+		for (;;)
+			pause();
+	}
+	if ((rc = idem_guard_step(claim, "record", step_record, o)) != 0)
+		return rc;
+	snprintf(body, sizeof(body), "%s paid", claim->key);
+	return idem_response_set(resp, 200, body, strlen(body));
+}
+
+/* Scenario 4's guard options: steps, and the clock moved by offset_s. */
+static void
+order_options(IdemGuardOptions *opts, int offset_s)
+{
+	demo_options(opts);
+	opts->steps = true;
+	opts->clock_offset_s = offset_s;
+}
+
+/* Scenario 4, attempt 1, in a child process: stops after the charge. */
+static void
+order_child(int stop_fd)
+{
+	Order4		o = {NULL, NULL, 1, stop_fd, ""};
+	IdemGuardOptions opts;
+	IdemResult	res;
+
+	o.conn = connect_db(conninfo);
+	o.provider = connect_db(conninfo);
+	if (PQstatus(o.conn) != CONNECTION_OK ||
+		PQstatus(o.provider) != CONNECTION_OK)
+		_exit(1);
+	order_options(&opts, 0);
+	idem_guard_do_opts(o.conn, &opts, "order-5", "sku=B&qty=1",
+					   order_handler, &o, &res);
+	/* Only a failure gets here. */
+	fprintf(stderr, "idem_demo: attempt 1 ended: %s %s %s %s\n",
+			idem_outcome_name(res.outcome), idem_step_name(res.failed),
+			res.message, o.error);
+	_exit(1);
+}
+
+/*
+ * Scenario 4: an order in three steps, its process killed with SIGKILL
+ * after the charge, resumed after the lease at the record step.
+ */
+static bool
+scenario4(PGconn *conn)
+{
+	const char *title = "three steps, SIGKILL after the charge, resumed";
+	int			fds[2];
+	pid_t		pid;
+	int			status = 0;
+	char		c = 0;
+	const char *killed = "no";
+	Order4		o = {NULL, NULL, 2, -1, ""};
+	IdemGuardOptions opts;
+	IdemResult	res;
+	IdemOutcome retry,
+				replay;
+	char		retry_desc[160];
+	char		actual[512];
+
+	if (!setup(conn, "CREATE TABLE idem_demo.phase_runs (key text, phase text)") ||
+		!setup(conn, "CREATE TABLE idem_demo.provider_requests (idem_key text, at timestamptz DEFAULT clock_timestamp())") ||
+		!setup(conn, "CREATE TABLE idem_demo.provider_charges (id serial, idem_key text PRIMARY KEY, cents integer NOT NULL)") ||
+		!setup(conn, "CREATE TABLE idem_demo.records (key text PRIMARY KEY, charge text NOT NULL)") ||
+		!setup(conn, "INSERT INTO idem_demo.stock VALUES ('B', 10)"))
+		return report(4, title, "set-up", "failed", "");
+
+	/* Attempt 1: a child process, killed once the charge is checkpointed. */
+	if (pipe(fds) != 0)
+		return report(4, title, "pipe", "failed", "");
+	fflush(stdout);
+	pid = fork();
+	if (pid < 0)
+		return report(4, title, "fork", "failed", "");
+	if (pid == 0)
+	{
+		close(fds[0]);
+		order_child(fds[1]);
+	}
+	close(fds[1]);
+	if (read(fds[0], &c, 1) == 1 && c == 'c')
+	{
+		kill(pid, SIGKILL);
+		printf("scenario 4: attempt 1 (pid %d) killed with SIGKILL after the"
+			   " charge\n", (int) pid);
+	}
+	close(fds[0]);
+	if (waitpid(pid, &status, 0) == pid && WIFSIGNALED(status) &&
+		WTERMSIG(status) == SIGKILL)
+		killed = "SIGKILL";
+
+	/* Attempt 2, after the lease: resumes after the last checkpoint. */
+	o.conn = connect_db(conninfo);
+	o.provider = connect_db(conninfo);
+	order_options(&opts, PAST_LEASE_S);
+	retry = idem_guard_do_opts(o.conn, &opts, "order-5", "sku=B&qty=1",
+							   order_handler, &o, &res);
+	snprintf(retry_desc, sizeof(retry_desc),
+			 "%s/failed=%s resumed-after=%s skipped=%d run=%d",
+			 idem_outcome_name(retry), idem_step_name(res.failed),
+			 res.resumed_after[0] ? res.resumed_after : "none",
+			 res.steps_skipped, res.steps_run);
+	if (res.failed != IDEM_STEP_NONE)
+		fprintf(stderr, "idem_demo: attempt 2: %s %s\n", res.message, o.error);
+	printf("scenario 4: attempt 2: took over after \"%s\": %d steps skipped,"
+		   " %d run, response %d %.*s\n", res.resumed_after,
+		   res.steps_skipped, res.steps_run, res.resp.status,
+		   (int) res.resp.body_len, res.resp.body ? (char *) res.resp.body : "");
+	idem_result_clear(&res);
+
+	/* Attempt 3: the stored response. */
+	o.attempt = 3;
+	replay = idem_guard_do_opts(o.conn, &opts, "order-5", "sku=B&qty=1",
+								order_handler, &o, &res);
+	idem_result_clear(&res);
+	PQfinish(o.conn);
+	PQfinish(o.provider);
+
+	snprintf(actual, sizeof(actual),
+			 "killed=%s retry=%s provider-requests=%d charges=%d stock=%d"
+			 " reserves=%d records=%d replay=%s",
+			 killed, retry_desc,
+			 query_int(conn, "SELECT count(*) FROM idem_demo.provider_requests"),
+			 query_int(conn, "SELECT count(*) FROM idem_demo.provider_charges"),
+			 query_int(conn, "SELECT qty FROM idem_demo.stock WHERE sku = 'B'"),
+			 query_int(conn, "SELECT count(*) FROM idem_demo.phase_runs WHERE phase = 'reserve'"),
+			 query_int(conn, "SELECT count(*) FROM idem_demo.records"),
+			 idem_outcome_name(replay));
+	return report(4, title,
+				  "killed=SIGKILL retry=EXECUTED/failed=none"
+				  " resumed-after=charge skipped=2 run=1 provider-requests=1"
+				  " charges=1 stock=9 reserves=1 records=1 replay=REPLAYED",
+				  actual, "");
+}
+
 /* Drop server notices (DROP ... IF EXISTS says it skipped). */
 static void
 ignore_notice(void *arg, const char *message)
@@ -579,7 +904,7 @@ ignore_notice(void *arg, const char *message)
 	(void) message;
 }
 
-/* Run the three scenarios. */
+/* Run the four scenarios. */
 int
 main(int argc, char **argv)
 {
@@ -604,8 +929,10 @@ main(int argc, char **argv)
 	matched += scenario1(conn);
 	matched += scenario2(conn);
 	matched += scenario3(conn);
+	matched += scenario4(conn);
 	PQfinish(conn);
 
-	printf("%d of 3 scenarios match the Go tests\n", matched);
-	return matched == 3 ? 0 : 1;
+	printf("%d of 4 scenarios match (1-3: the Go tests; 4: resumed steps)\n",
+		   matched);
+	return matched == 4 ? 0 : 1;
 }
