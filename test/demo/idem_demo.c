@@ -589,6 +589,7 @@ typedef struct Order4
 	PGconn	   *provider;		/* the provider's own connection */
 	int			attempt;
 	int			stop_fd;		/* attempt 1: told "charged", then waits */
+	bool		ran;			/* the step ran (not skipped) */
 	char		error[200];
 } Order4;
 
@@ -644,6 +645,7 @@ step_reserve(IdemPhase *phase, void *arg)
 	char		provider_key[96];
 	char		qty[16];
 
+	o->ran = true;
 	snprintf(provider_key, sizeof(provider_key), "%s:%" PRId64, phase->key,
 			 phase->token);
 	if (!exec4(o, o->conn, "BEGIN", 0, NULL, NULL, 0))
@@ -682,6 +684,7 @@ step_charge(IdemPhase *phase, void *arg)
 	const char *values[1] = {provider_key};
 	char		charge[32];
 
+	o->ran = true;
 	if (phase->input == NULL || phase->input_len >= sizeof(provider_key))
 	{
 		snprintf(o->error, sizeof(o->error), "no provider key from reserve");
@@ -713,6 +716,7 @@ step_record(IdemPhase *phase, void *arg)
 	const char *values[2] = {phase->key, charge};
 	const char *run_values[2] = {phase->key, phase->name};
 
+	o->ran = true;
 	if (phase->input == NULL || phase->input_len >= sizeof(charge))
 	{
 		snprintf(o->error, sizeof(o->error), "no charge id from charge");
@@ -740,6 +744,24 @@ step_record(IdemPhase *phase, void *arg)
 	return 0;
 }
 
+/* Run one step of the order; say so if it was skipped. */
+static int
+order_step(const IdemClaim *claim, const char *name, IdemStepFn fn,
+		   Order4 *o)
+{
+	int			rc;
+
+	o->ran = false;
+	rc = idem_guard_step(claim, name, fn, o);
+	if (rc == 0 && !o->ran)
+	{
+		printf("scenario 4: attempt %d: %s: skipped, checkpointed by the"
+			   " killed attempt\n", o->attempt, name);
+		fflush(stdout);
+	}
+	return rc;
+}
+
 /* The order's handler: three steps, then the response. */
 static int
 order_handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
@@ -751,8 +773,8 @@ order_handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
 	printf("scenario 4: attempt %d (pid %d): claimed %s with token %" PRId64
 		   "\n", o->attempt, (int) getpid(), claim->key, claim->token);
 	fflush(stdout);
-	if ((rc = idem_guard_step(claim, "reserve", step_reserve, o)) != 0 ||
-		(rc = idem_guard_step(claim, "charge", step_charge, o)) != 0)
+	if ((rc = order_step(claim, "reserve", step_reserve, o)) != 0 ||
+		(rc = order_step(claim, "charge", step_charge, o)) != 0)
 		return rc;
 	if (o->stop_fd >= 0)
 	{
@@ -762,7 +784,7 @@ order_handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
 		for (;;)
 			pause();
 	}
-	if ((rc = idem_guard_step(claim, "record", step_record, o)) != 0)
+	if ((rc = order_step(claim, "record", step_record, o)) != 0)
 		return rc;
 	snprintf(body, sizeof(body), "%s paid", claim->key);
 	return idem_response_set(resp, 200, body, strlen(body));
@@ -781,7 +803,7 @@ order_options(IdemGuardOptions *opts, int offset_s)
 static void
 order_child(int stop_fd)
 {
-	Order4		o = {NULL, NULL, 1, stop_fd, ""};
+	Order4		o = {NULL, NULL, 1, stop_fd, false, ""};
 	IdemGuardOptions opts;
 	IdemResult	res;
 
@@ -813,7 +835,7 @@ scenario4(PGconn *conn)
 	int			status = 0;
 	char		c = 0;
 	const char *killed = "no";
-	Order4		o = {NULL, NULL, 2, -1, ""};
+	Order4		o = {NULL, NULL, 2, -1, false, ""};
 	IdemGuardOptions opts;
 	IdemResult	res;
 	IdemOutcome retry,
