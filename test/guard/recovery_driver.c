@@ -23,10 +23,13 @@
  *	 4 between charge (checkpointed) and record
  *	 5 record: after its writes, before its transaction commits
  *	 6 after record committed, before the response is stored
+ *	 7 record: after its transaction committed, before the step returns
  *
- * MODE "fenced" is the above; "naive" keys the provider by "KEY:token" of
- * this attempt instead of the reserve step's output, the mistake the
- * test must catch.  DELAY_US sleeps that long before each step, so that
+ * MODE "fenced" is the above; the mistakes the test must catch: "naive"
+ * keys the provider by "KEY:token" of this attempt instead of the reserve
+ * step's output; "late" leaves the reserve and record checkpoints to the
+ * guard, after the step's transaction.  Both take stock of sku B instead
+ * of A.  DELAY_US sleeps that long before each step, so that
  * a kill from outside lands between or inside steps.
  *
  * Prints one line: outcome=... failed=... resumed=... skipped=N run=N
@@ -49,6 +52,7 @@ typedef struct Driver
 	PGconn	   *provider;
 	int			kill_at;
 	bool		naive;
+	bool		late;
 	int			delay_us;
 	char		error[256];
 } Driver;
@@ -112,14 +116,16 @@ step_reserve(IdemPhase *phase, void *arg)
 		return fail(d, phase, NULL);
 	if (idem_phase_hold(phase, d->conn) != 0)
 		return fail(d, phase, "idem_hold");
-	if (!run(d, d->conn, "UPDATE stock SET qty = qty - 1 WHERE sku = 'A'",
+	if (!run(d, d->conn, d->naive || d->late ?
+			 "UPDATE stock SET qty = qty - 1 WHERE sku = 'B'" :
+			 "UPDATE stock SET qty = qty - 1 WHERE sku = 'A'",
 			 0, NULL, NULL, 0) ||
 		!run(d, d->conn, "INSERT INTO reservations (key, token)"
 			 " VALUES ($1, $2)", 2, values, NULL, 0))
 		return fail(d, phase, NULL);
 	maybe_die(d, 1);
 	if (idem_phase_output(phase, provider_key, strlen(provider_key)) != 0 ||
-		idem_phase_checkpoint(phase, d->conn) != 0)
+		(!d->late && idem_phase_checkpoint(phase, d->conn) != 0))
 		return fail(d, phase, "idem_checkpoint");
 	if (!run(d, d->conn, "COMMIT", 0, NULL, NULL, 0))
 		return fail(d, phase, NULL);
@@ -184,10 +190,11 @@ step_record(IdemPhase *phase, void *arg)
 			 " VALUES ($1, $2, $3)", 3, values, NULL, 0))
 		return fail(d, phase, NULL);
 	maybe_die(d, 5);
-	if (idem_phase_checkpoint(phase, d->conn) != 0)
+	if (!d->late && idem_phase_checkpoint(phase, d->conn) != 0)
 		return fail(d, phase, "idem_checkpoint");
 	if (!run(d, d->conn, "COMMIT", 0, NULL, NULL, 0))
 		return fail(d, phase, NULL);
+	maybe_die(d, 7);
 	return 0;
 }
 
@@ -231,6 +238,7 @@ main(int argc, char **argv)
 	memset(&d, 0, sizeof(d));
 	d.kill_at = atoi(argv[4]);
 	d.naive = strcmp(argv[5], "naive") == 0;
+	d.late = strcmp(argv[5], "late") == 0;
 	d.delay_us = argc == 7 ? atoi(argv[6]) : 0;
 	d.conn = PQconnectdb(argv[1]);
 	d.provider = PQconnectdb(argv[1]);
