@@ -29,7 +29,8 @@
  * keys the provider by "KEY:token" of this attempt instead of the reserve
  * step's output; "late" leaves the reserve and record checkpoints to the
  * guard, after the step's transaction.  Both take stock of sku B instead
- * of A.  DELAY_US sleeps that long before each step, so that
+ * of A.  "refuse": the provider refuses the charge (the step fails after
+ * reserve was checkpointed).  DELAY_US sleeps that long before each step, so that
  * a kill from outside lands between or inside steps.
  *
  * Prints one line: outcome=... failed=... resumed=... skipped=N run=N
@@ -53,6 +54,7 @@ typedef struct Driver
 	int			kill_at;
 	bool		naive;
 	bool		late;
+	bool		refuse;
 	int			delay_us;
 	char		error[256];
 } Driver;
@@ -141,6 +143,11 @@ step_charge(IdemPhase *phase, void *arg)
 	char		charge[32];
 	const char *values[2] = {provider_key, phase->key};
 
+	if (d->refuse)
+	{
+		snprintf(d->error, sizeof(d->error), "the provider refused");
+		return 1;
+	}
 	if (d->naive)
 		snprintf(provider_key, sizeof(provider_key), "%s:%" PRId64,
 				 phase->key, phase->token);
@@ -239,6 +246,7 @@ main(int argc, char **argv)
 	d.kill_at = atoi(argv[4]);
 	d.naive = strcmp(argv[5], "naive") == 0;
 	d.late = strcmp(argv[5], "late") == 0;
+	d.refuse = strcmp(argv[5], "refuse") == 0;
 	d.delay_us = argc == 7 ? atoi(argv[6]) : 0;
 	d.conn = PQconnectdb(argv[1]);
 	d.provider = PQconnectdb(argv[1]);

@@ -13,6 +13,9 @@
 # catch (a provider key of the attempt's own token; checkpoints after the
 # step's transaction instead of inside it), and the same checks find them.
 #
+# A step that fails after a checkpoint leaves the claim to its lease, and
+# the retry resumes after the checkpoint.
+#
 # Then a stale holder: once another caller took the key over, its
 # idem_hold gets ID002 before its business write; and a takeover waits for
 # a holder's transaction that holds the key.
@@ -199,6 +202,19 @@ is(not_once('records', 'late-%'), 'late-2=2',
 	'control: the record check finds a record done twice');
 is($node->safe_psql('postgres', "SELECT 1000000 - qty FROM stock WHERE sku = 'B'"),
 	'4', 'control: the stock check sees three orders move it four times');
+
+# --- A step that fails after a checkpoint leaves the claim to its lease
+# (a release would drop the checkpoint); the retry resumes after it.
+my $r = attempt(key => 'refused-1', offset => 0, mode => 'refuse');
+like($r->{out}, qr/^outcome=EXECUTED failed=handler resumed=none skipped=0 run=1 /,
+	'a refused charge fails the handler after reserve ran');
+like($r->{err}, qr/step "charge" failed/, 'the failure names the step');
+is($node->safe_psql('postgres', "SELECT state FROM idem_keys WHERE key = 'refused-1'"),
+	'PROCESSING', 'the checkpointed claim is not released');
+$r = attempt(key => 'refused-1', offset => 30);
+like($r->{out}, qr/^outcome=EXECUTED failed=none resumed=reserve skipped=1 run=2 /,
+	'the retry after the lease resumes after reserve');
+is(not_once('reservations', 'refused-%'), q{}, 'and reserved once');
 
 # --- A stale holder gets ID002 from idem_hold before its business write.
 my $t1 = $node->safe_psql('postgres',
