@@ -3,6 +3,7 @@
 # client guard, start a throwaway cluster, and replay the Go guard
 # document's scenarios against it with the guard (test/demo/idem_demo.c).
 # Prints one line per scenario; exits non-zero if any figure differs.
+# IDEM_DEMO_PORT sets the throwaway cluster's port (default 54329).
 set -eu
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
