@@ -33,9 +33,11 @@ setup="CREATE EXTENSION idem${IDEM_CG_VERSION:+ VERSION '$IDEM_CG_VERSION'};${ID
 claims="SELECT count(*) FROM generate_series(1, $n) g, idem_begin('k' || g, 'fp');"
 completes="SELECT count(*) FROM idem.keys k, idem_complete(k.key, 'fp', 200, convert_to('{\"id\":' || k.token || '}', 'UTF8'), k.token);"
 replays="SELECT count(*) FROM generate_series(1, $n) g, idem_begin('k' || g, 'fp') b WHERE b.state = 'DONE';"
+checkpoints="SELECT count(*) FROM idem.keys k, idem_checkpoint(k.key, k.token, 'charge', convert_to('{\"id\":' || k.token || '}', 'UTF8'));"
 
 # Run the statements in a single-user backend under callgrind, counting
-# only inside idem_begin and idem_complete; print "begin complete" totals.
+# only inside idem_begin, idem_complete and idem_checkpoint; print
+# "begin complete checkpoint" totals.
 run() {
 	name=$1
 	shift
@@ -44,17 +46,20 @@ run() {
 	cp -a "$dir/data" "$dir/data.$name"
 	as_owner "valgrind --tool=callgrind --callgrind-out-file='$dir/$name.out' \
 		--toggle-collect=idem_begin --toggle-collect=idem_complete \
+		--toggle-collect=idem_checkpoint \
 		'$bindir/postgres' --single -D '$dir/data.$name' \
 		-c shared_preload_libraries=idem -c idem.purge_enabled=off \
 		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
 	callgrind_annotate --inclusive=yes "$dir/$name.out" 2>/dev/null |
 		awk '$2 ~ /^\(/ && $3 ~ /:idem_begin$/ && !b { gsub(",", "", $1); b = $1 }
 		     $2 ~ /^\(/ && $3 ~ /:idem_complete$/ && !c { gsub(",", "", $1); c = $1 }
-		     END { print b + 0, c + 0 }'
+		     $2 ~ /^\(/ && $3 ~ /:idem_checkpoint$/ && !k { gsub(",", "", $1); k = $1 }
+		     END { print b + 0, c + 0, k + 0 }'
 }
 
 a=$(run a "$setup" "$claims" "$completes")
 b=$(run b "$setup" "$claims" "$completes" "$replays")
-echo "$a $b" | awk -v n=$n '{
-	printf "instructions per call (callgrind, %d keys): new claim %.1fk, complete %.1fk, replay %.1fk\n",
-		n, $1 / n / 1000, $2 / n / 1000, ($3 - $1) / n / 1000 }'
+c=$(run c "$setup" "$claims" "$checkpoints")
+echo "$a $b $c" | awk -v n=$n '{
+	printf "instructions per call (callgrind, %d keys): new claim %.1fk, complete %.1fk, replay %.1fk, checkpoint %.1fk\n",
+		n, $1 / n / 1000, $2 / n / 1000, ($4 - $1) / n / 1000, $9 / n / 1000 }'

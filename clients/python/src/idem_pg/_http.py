@@ -228,3 +228,21 @@ class NotStored(Exception):
     def __init__(self, response):
         super().__init__("server error response released for retry")
         self.response = response
+
+
+def twice(timeout):
+    """The claim's statement_timeout in transactional mode: its lock_timeout
+    (a transaction holding the key: 409) ends a wait first."""
+    return None if timeout is None else 2 * timeout
+
+
+class Release(Exception):
+    """Ends the transaction of a response the policy does not store."""
+
+
+class HandlerFailed(Exception):
+    """Carries the handler's exception out of the transaction it rolls back."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error

@@ -19,7 +19,7 @@ from typing import Any, List, Optional, cast
 import psycopg
 
 from ._common import Outcome, Response
-from ._http import Headers, NotStored, Settings, pack
+from ._http import HandlerFailed, Headers, NotStored, Release, Settings, pack, twice
 from .aio import AsyncGuard
 from .atomic import atomic_async
 from .errors import IdemError, Timeout, transient, translate
@@ -54,24 +54,6 @@ class _Captured:
     @property
     def body(self) -> bytes:
         return b"".join(self.chunks)
-
-
-def _twice(timeout):
-    """The claim's statement_timeout in transactional mode: its lock_timeout
-    (a transaction holding the key: 409) ends a wait first."""
-    return None if timeout is None else 2 * timeout
-
-
-class _Release(Exception):
-    """Ends the transaction of a response the policy does not store."""
-
-
-class _HandlerFailed(Exception):
-    """Carries the handler's exception out of the transaction it rolls back."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
 
 
 class IdempotencyMiddleware:
@@ -216,7 +198,7 @@ class IdempotencyMiddleware:
                                         scope=g.scope if tenant is None else tenant,
                                         wait=True, lock_timeout=g.timeout,
                                         wait_for=s.wait_of(scope) or None,
-                                        timeout=_twice(g.timeout)) as tx:
+                                        timeout=twice(g.timeout)) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:
@@ -225,16 +207,16 @@ class IdempotencyMiddleware:
                         try:
                             await self.app(scope, replay_receive, capture)
                         except Exception as exc:
-                            raise _HandlerFailed(exc) from exc
+                            raise HandlerFailed(exc) from exc
                         finally:
                             state.pop("idem_connection", None)
                         if not s.stores(captured.status):
-                            raise _Release()
+                            raise Release()
                         expires = await self._complete(conn, tx, key, captured)
-        except _Release:
+        except Release:
             await self._send_captured(send, captured, [])   # rolled back: key free
             return
-        except _HandlerFailed as failed:
+        except HandlerFailed as failed:
             raise failed.error              # rolled back; the framework answers 500
         except (IdemError, psycopg.Error, OSError) as exc:
             err = translate(exc)

@@ -20,7 +20,7 @@ from typing import Any, Optional
 import psycopg
 
 from ._common import Outcome, Response
-from ._http import NotStored, Settings, pack
+from ._http import HandlerFailed, NotStored, Release, Settings, pack, twice
 from .atomic import atomic
 from .errors import IdemError, Timeout, transient, translate
 from .guard import Guard
@@ -63,24 +63,6 @@ def _flask_hook(app: Any) -> None:
             g.idem_connection = environ.get(ENVIRON_CONNECTION)
 
     flask_app.before_request(copy_to_g)
-
-
-def _twice(timeout):
-    """The claim's statement_timeout in transactional mode: its lock_timeout
-    (a transaction holding the key: 409) ends a wait first."""
-    return None if timeout is None else 2 * timeout
-
-
-class _Release(Exception):
-    """Ends the transaction of a response the policy does not store."""
-
-
-class _HandlerFailed(Exception):
-    """Carries the handler's exception out of the transaction it rolls back."""
-
-    def __init__(self, error: BaseException):
-        super().__init__(str(error))
-        self.error = error
 
 
 class IdempotencyWSGIMiddleware:
@@ -211,7 +193,7 @@ class IdempotencyWSGIMiddleware:
                 with atomic(conn, key, fingerprint, schema=g.sql.schema, lease=g.lease,
                             retention=g.retention, scope=g.scope if tenant is None else tenant,
                             wait=True, lock_timeout=g.timeout,
-                            wait_for=s.wait_of(environ) or None, timeout=_twice(g.timeout)) as tx:
+                            wait_for=s.wait_of(environ) or None, timeout=twice(g.timeout)) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:
@@ -220,15 +202,15 @@ class IdempotencyWSGIMiddleware:
                         try:
                             run_app()
                         except Exception as exc:
-                            raise _HandlerFailed(exc) from exc
+                            raise HandlerFailed(exc) from exc
                         finally:
                             environ.pop(ENVIRON_CONNECTION, None)
                         if not s.stores(captured["status"]):
-                            raise _Release()
+                            raise Release()
                         expires = self._complete(conn, tx, key, captured)
-        except _Release:
+        except Release:
             return self._reply_captured(start_response, captured, [])  # rolled back
-        except _HandlerFailed as failed:
+        except HandlerFailed as failed:
             raise failed.error              # rolled back; the server answers 500
         except (IdemError, psycopg.Error, OSError) as exc:
             err = translate(exc)
