@@ -103,7 +103,10 @@ func answer(rec Record) (Response, Outcome, error) {
 // flight is waited for first.  If the store cannot
 // answer the claim, the outcome is Unavailable with ErrUnavailable and fn
 // does not run.  fn's context carries the claim and its fencing token
-// (ClaimFromContext, TokenFromContext).
+// (ClaimFromContext, TokenFromContext) and, when the store is a
+// Checkpointer, the claim's steps: fn may split its work into Step and
+// StepTx calls, which a retry that takes the key over after the lease
+// skips where they finished (see Step).
 //
 // A handler error is returned with Executed and nothing is stored.  A
 // failed Complete is returned with Executed: the side effect may be
@@ -124,6 +127,13 @@ func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context
 		return answer(rec)
 	}
 	cctx := WithClaim(ctx, Claim{Key: key, Token: rec.Token})
+	if cp, ok := g.Store.(Checkpointer); ok {
+		scope := ""
+		if ps, ok := g.Store.(*PostgresStore); ok {
+			scope = ps.Scope
+		}
+		cctx = withSteps(cctx, newSteps(cp, key, scope, rec.Token, g.now, rec.Phase, rec.PhaseData))
+	}
 	hctx := cctx
 	var hb *heartbeat
 	if ext, ok := g.Store.(Extender); ok && g.Heartbeat {
