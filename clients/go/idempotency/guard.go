@@ -34,7 +34,9 @@ type Guard struct {
 
 	// ReleaseOnError gives the claim up (Releaser) when the handler
 	// returns an error, so that a retry may run at once.  By default the
-	// key stays in flight until its lease ends, as after a crash.
+	// key stays in flight until its lease ends, as after a crash.  A claim
+	// whose handler finished a step (Step, StepTx), or resumed after
+	// steps, is not given up: the retry resumes after them.
 	ReleaseOnError bool
 
 	// Heartbeat extends the lease (Extender) every third of Lease (20 s
@@ -145,7 +147,10 @@ func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context
 		hb.stop()
 	}
 	if ferr != nil {
-		if rel, ok := g.Store.(Releaser); ok && g.ReleaseOnError {
+		// A claim with a recovery point is left to its lease: a release
+		// would delete the finished steps with the key, and the retry
+		// would do their work again instead of resuming after them.
+		if rel, ok := g.Store.(Releaser); ok && g.ReleaseOnError && !stepsFinished(cctx) {
 			if _, rerr := rel.Release(cctx, key, rec.Token, g.now()); rerr != nil {
 				return resp, Executed, fmt.Errorf("%w (release failed: %v)", ferr, rerr)
 			}

@@ -109,6 +109,18 @@ func newSteps(store Checkpointer, key, scope string, token int64, now func() tim
 	return st
 }
 
+// stepsFinished tells whether ctx's claim has a recovery point: a step
+// finished, in this claim or before a takeover.
+func stepsFinished(ctx context.Context) bool {
+	st, ok := StepsFromContext(ctx)
+	if !ok {
+		return false
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return len(st.names) > 0 || st.resumed != ""
+}
+
 // withSteps returns ctx carrying st.
 func withSteps(ctx context.Context, st *Steps) context.Context {
 	return context.WithValue(ctx, stepsKey{}, st)
