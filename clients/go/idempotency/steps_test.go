@@ -485,3 +485,30 @@ func TestStepsErrors(t *testing.T) {
 		t.Fatalf("twice: %v calls=%d %q", err, calls, resp.Body)
 	}
 }
+
+// ReleaseOnError gives up a claim without steps, but leaves one with a
+// finished step to its lease, so that the retry resumes after it.
+func TestReleaseOnErrorKeepsSteps(t *testing.T) {
+	store := NewMemoryStore()
+	g := &Guard{Store: store, Lease: time.Minute, Retention: time.Hour, ReleaseOnError: true,
+		Now: func() time.Time { return base }}
+	_, _, err := g.Do(bg, "plain", "fp", func(ctx context.Context) (Response, error) { return Response{}, errCrash })
+	if !errors.Is(err, errCrash) {
+		t.Fatal(err)
+	}
+	if _, claimed, _ := store.Begin(bg, "plain", "fp", base, time.Minute, time.Hour); !claimed {
+		t.Fatal("a claim without steps was not released")
+	}
+	_, _, err = g.Do(bg, "stepped", "fp", func(ctx context.Context) (Response, error) {
+		if _, err := Step(ctx, "a", func(context.Context, StepInfo) (int, error) { return 1, nil }); err != nil {
+			return Response{}, err
+		}
+		return Response{}, errCrash
+	})
+	if !errors.Is(err, errCrash) {
+		t.Fatal(err)
+	}
+	if _, claimed, _ := store.Begin(bg, "stepped", "fp", base, time.Minute, time.Hour); claimed {
+		t.Fatal("a claim with a finished step was released")
+	}
+}
