@@ -20,7 +20,7 @@ export interface StoredResponse {
   body: Buffer | null;
 }
 
-export type Op = 'begin' | 'complete' | 'release' | 'extend';
+export type Op = 'begin' | 'complete' | 'release' | 'extend' | 'checkpoint' | 'hold';
 
 /** Return truthy (or an Error) to make that server call fail as if the server did not answer. */
 export type FaultHook = (op: Op) => unknown;
@@ -99,6 +99,47 @@ export interface Claim {
   /** Aborted when the heartbeat finds the claim superseded or gone. */
   signal: AbortSignal;
   readonly lost: boolean;
+  /**
+   * The step a previous holder of the key finished last, when this claim took the key over
+   * after its lease; null for a new claim or a previous holder that finished no step.
+   */
+  resumedFrom: string | null;
+  /**
+   * Run one step of the work.  If the step finished already (in this claim, or in a previous
+   * holder's before a takeover), fn does not run and its stored output is returned (as
+   * JSON.parse gives it back).  Otherwise fn runs; its output (JSON: undefined is null) is
+   * checkpointed on the claim (idem_checkpoint, its own transaction) and returned.  fn's error is
+   * thrown and nothing is checkpointed.  A superseded claim's checkpoint rejects with
+   * TokenSupersededError: stop the handler.  Step names must be unique within a handler; run
+   * steps one after another.
+   */
+  step<T>(name: string, fn: (step: StepInfo) => T | Promise<T>): Promise<T>;
+  /**
+   * step for writes to PostgreSQL: one transaction on a client of the guard's pool holds the key
+   * (idem_hold: a superseded holder gets TokenSupersededError before fn runs), runs fn with the
+   * client, checkpoints the step and commits: the writes and the checkpoint commit together.
+   */
+  stepTx<T>(name: string, fn: (client: PoolClient, step: StepInfo) => T | Promise<T>): Promise<T>;
+  /** The finished steps (the previous holders' and this claim's). */
+  stepsDone(): string[];
+}
+
+/** What a step gets to pass downstream. */
+export interface StepInfo {
+  key: string;
+  scope: string;
+  /** The step's name. */
+  name: string;
+  /** The fencing token of this attempt's claim: a system that keeps the greatest token refuses a stale holder. */
+  token: bigint;
+  /**
+   * Key for the step's call to a system outside the database (a payment provider's
+   * Idempotency-Key): scope (if any), key and step name joined by ':'.  The same in every attempt,
+   * so a step run again after a takeover is deduplicated there.
+   */
+  idempotencyKey: string;
+  /** The claim's signal (aborted when the heartbeat finds the claim lost). */
+  signal: AbortSignal;
 }
 
 export interface GuardResult {
@@ -126,6 +167,13 @@ export interface GuardResult {
   notStored: boolean;
   /** Why storing the notStored answer failed too, if it did. */
   notStoredError?: unknown;
+  /** Executed: the step the claim resumed from after a takeover (claim.resumedFrom), else null. */
+  resumedFrom: string | null;
+  /**
+   * Executed: the finished steps when the handler ended.  A handler error with finished steps
+   * leaves the claim to its lease (released false), so that the retry resumes after them.
+   */
+  steps: string[];
 }
 
 export declare class Guard {
@@ -179,6 +227,9 @@ export interface BeginRow {
   body: Buffer | null;
   leaseUntil: Date | null;
   expiresAt: Date | null;
+  /** A takeover's recovery point (the previous holder's last checkpoint), else null. */
+  phase: string | null;
+  phaseData: Buffer | null;
 }
 
 export interface LookupRow {
@@ -200,6 +251,10 @@ export declare class Store {
   release(client: ClientBase, args: { key: string; token?: bigint | null; scope?: string }): Promise<boolean>;
   extend(client: ClientBase, args: { key: string; token?: bigint | null; lease: Duration; scope?: string }): Promise<Date>;
   lookup(client: ClientBase, args: { key: string; scope?: string }): Promise<LookupRow | null>;
+  /** idem_checkpoint: the recovery point of the claim held with token (fenced like complete). */
+  checkpoint(client: ClientBase, args: { key: string; token?: bigint | null; phase: string; data?: Body; scope?: string }): Promise<void>;
+  /** idem_hold, inside the caller's transaction: check the holder, keep a takeover waiting until commit. */
+  hold(client: ClientBase, args: { key: string; token?: bigint | null; scope?: string }): Promise<void>;
 }
 
 export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
@@ -278,6 +333,10 @@ declare global {
         replayed: boolean;
         /** Transactional mode: the pool client inside the claim's transaction. Finish its queries before answering. */
         client?: PoolClient;
+        /** Guard mode: the claim's steps (see Claim.step, Claim.stepTx, Claim.resumedFrom). */
+        step?: Claim['step'];
+        stepTx?: Claim['stepTx'];
+        resumedFrom?: string | null;
       };
       /** The raw body bytes, when kept (saveRawBody, or read by the middleware). */
       rawBody?: Buffer;
@@ -302,6 +361,10 @@ export declare class AlreadyCompletedError extends IdemError {}
 export declare class UnavailableError extends IdemError {}
 /** statement_timeout (57014), lock_timeout (55P03) or the client's deadline. */
 export declare class TimeoutError extends UnavailableError {}
+/** The key's recovery point was not written by steps (its data is not a JSON object with its phase). */
+export declare class CheckpointDataError extends IdemError {}
+/** A step's provider key: scope (if any), key and step name joined by ':'. */
+export declare function stepIdempotencyKey(scope: string, key: string, name: string): string;
 
 /** The idem error class for any error from pg or the network. */
 export declare function toIdemError(err: unknown): IdemError;

@@ -11,6 +11,7 @@ const { Store } = require('./lib/store');
 const { Guard, Outcome, failTimes } = require('./lib/guard');
 const { transaction } = require('./lib/transaction');
 const { NOT_STORED } = require('./lib/outcome');
+const { CheckpointDataError, stepIdempotencyKey } = require('./lib/steps');
 const { idempotency, saveRawBody, defaultFingerprint, parseKey } = require('./lib/express');
 
 module.exports = {
@@ -29,6 +30,8 @@ module.exports = {
   TokenSupersededError,
   NoClaimError,
   AlreadyCompletedError,
+  CheckpointDataError,
+  stepIdempotencyKey,
   UnavailableError,
   TimeoutError,
   toIdemError,

@@ -34,7 +34,9 @@ type Guard struct {
 
 	// ReleaseOnError gives the claim up (Releaser) when the handler
 	// returns an error, so that a retry may run at once.  By default the
-	// key stays in flight until its lease ends, as after a crash.
+	// key stays in flight until its lease ends, as after a crash.  A claim
+	// whose handler finished a step (Step, StepTx), or resumed after
+	// steps, is not given up: the retry resumes after them.
 	ReleaseOnError bool
 
 	// Heartbeat extends the lease (Extender) every third of Lease (20 s
@@ -103,7 +105,10 @@ func answer(rec Record) (Response, Outcome, error) {
 // flight is waited for first.  If the store cannot
 // answer the claim, the outcome is Unavailable with ErrUnavailable and fn
 // does not run.  fn's context carries the claim and its fencing token
-// (ClaimFromContext, TokenFromContext).
+// (ClaimFromContext, TokenFromContext) and, when the store is a
+// Checkpointer, the claim's steps: fn may split its work into Step and
+// StepTx calls, which a retry that takes the key over after the lease
+// skips where they finished (see Step).
 //
 // A handler error is returned with Executed and nothing is stored.  A
 // failed Complete is returned with Executed: the side effect may be
@@ -124,6 +129,13 @@ func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context
 		return answer(rec)
 	}
 	cctx := WithClaim(ctx, Claim{Key: key, Token: rec.Token})
+	if cp, ok := g.Store.(Checkpointer); ok {
+		scope := ""
+		if ps, ok := g.Store.(*PostgresStore); ok {
+			scope = ps.Scope
+		}
+		cctx = withSteps(cctx, newSteps(cp, key, scope, rec.Token, g.now, rec.Phase, rec.PhaseData))
+	}
 	hctx := cctx
 	var hb *heartbeat
 	if ext, ok := g.Store.(Extender); ok && g.Heartbeat {
@@ -135,7 +147,10 @@ func (g *Guard) Do(ctx context.Context, key, fingerprint string, fn func(context
 		hb.stop()
 	}
 	if ferr != nil {
-		if rel, ok := g.Store.(Releaser); ok && g.ReleaseOnError {
+		// A claim with a recovery point is left to its lease: a release
+		// would delete the finished steps with the key, and the retry
+		// would do their work again instead of resuming after them.
+		if rel, ok := g.Store.(Releaser); ok && g.ReleaseOnError && !stepsFinished(cctx) {
 			if _, rerr := rel.Release(cctx, key, rec.Token, g.now()); rerr != nil {
 				return resp, Executed, fmt.Errorf("%w (release failed: %v)", ferr, rerr)
 			}

@@ -19,9 +19,9 @@ import (
 // store works through transaction pooling (set the pool's statement cache
 // to describe mode there).  Set the fields before first use.
 type PostgresStore struct {
-	// Fault, when set, is called with "begin", "complete", "release" or
-	// "extend" before each server call; an error fails that call as if
-	// the server had not answered.  For tests.
+	// Fault, when set, is called with "begin", "complete", "release",
+	// "extend", "checkpoint" or "hold" before each server call; an error
+	// fails that call as if the server had not answered.  For tests.
 	Fault func(op string) error
 
 	// ClientClock makes every call run at the caller's now: it sets
@@ -73,16 +73,21 @@ func (s *PostgresStore) Pool() *pgxpool.Pool { return s.pool }
 var extended = pgx.QuerySimpleProtocol(false)
 
 const (
-	sqlBegin = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
-		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)"
+	// sqlBegin takes every column of idem_begin and beginRow picks them by
+	// name: phase and phase_data (the recovery point a takeover returns)
+	// are read where the server has them, and a database whose idem_begin
+	// has none serves the rest.
+	sqlBegin = "SELECT * FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)"
 	// sqlBeginWait passes wait_for too (idem 1.4); only a call that waits
 	// uses it, so that a database before 1.4 serves the rest.
-	sqlBeginWait = "SELECT claimed, state, token, status, body, lease_until, expires_at" +
-		" FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean, $7::interval)"
-	sqlComplete = "SELECT %s.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint, $6::interval, $7::text)"
-	sqlRelease  = "SELECT %s.idem_release($1::text, $2::bigint, $3::text)"
-	sqlExtend   = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
-	sqlClock    = "SELECT pg_catalog.set_config('idem.clock_offset'," +
+	sqlBeginWait = "SELECT * FROM %s.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean, $7::interval)"
+	// idem_checkpoint and idem_hold return void: the statements answer true.
+	sqlCheckpoint = "SELECT true FROM %s.idem_checkpoint($1::text, $2::bigint, $3::text, $4::bytea, $5::text)"
+	sqlHold       = "SELECT true FROM %s.idem_hold($1::text, $2::bigint, $3::text)"
+	sqlComplete   = "SELECT %s.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint, $6::interval, $7::text)"
+	sqlRelease    = "SELECT %s.idem_release($1::text, $2::bigint, $3::text)"
+	sqlExtend     = "SELECT %s.idem_extend($1::text, $2::bigint, $3::interval, $4::text)"
+	sqlClock      = "SELECT pg_catalog.set_config('idem.clock_offset'," +
 		" pg_catalog.round(pg_catalog.date_part('epoch', $1::timestamptz - pg_catalog.clock_timestamp()))::bigint::text, true)"
 	// sqlTimeouts bounds the call's transaction by $1, or by the session's
 	// own lock_timeout and statement_timeout where they are shorter.
@@ -102,11 +107,13 @@ const (
 // The functions the statements call, as the errors of a missing one name
 // them.
 const (
-	fnBegin     = "idem_begin(text, text, interval, interval, text, boolean)"
-	fnBeginWait = "idem_begin(text, text, interval, interval, text, boolean, interval)"
-	fnComplete  = "idem_complete(text, text, integer, bytea, bigint, interval, text)"
-	fnRelease   = "idem_release(text, bigint, text)"
-	fnExtend    = "idem_extend(text, bigint, interval, text)"
+	fnBegin      = "idem_begin(text, text, interval, interval, text, boolean)"
+	fnBeginWait  = "idem_begin(text, text, interval, interval, text, boolean, interval)"
+	fnComplete   = "idem_complete(text, text, integer, bytea, bigint, interval, text)"
+	fnRelease    = "idem_release(text, bigint, text)"
+	fnExtend     = "idem_extend(text, bigint, interval, text)"
+	fnCheckpoint = "idem_checkpoint(text, bigint, text, bytea, text)"
+	fnHold       = "idem_hold(text, bigint, text)"
 )
 
 // schema is the quoted schema of the idem functions.
@@ -218,6 +225,7 @@ func rollback(tx pgx.Tx) {
 // querier is what a statement runs on: the pool or a transaction.
 type querier interface {
 	QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row
+	Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error)
 }
 
 // call runs one single-row statement, in a transaction when the settings
@@ -239,21 +247,47 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 		status                *int32
 		body                  []byte
 		leaseUntil, expiresAt *time.Time
+		phase                 *string
+		phaseData             []byte
 	)
-	var row pgx.Row
+	fn := fnBegin
+	var (
+		rows pgx.Rows
+		err  error
+	)
 	if wait > 0 {
-		row = q.QueryRow(ctx, s.sql(sqlBeginWait), extended, key, fingerprint, interval(lease), interval(retention),
+		fn = fnBeginWait
+		rows, err = q.Query(ctx, s.sql(sqlBeginWait), extended, key, fingerprint, interval(lease), interval(retention),
 			s.Scope, !s.NoWait, wait)
 	} else {
-		row = q.QueryRow(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
+		rows, err = q.Query(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
 			s.Scope, !s.NoWait)
 	}
-	err := row.Scan(&claimed, &state, &token, &status, &body, &leaseUntil, &expiresAt)
 	if err != nil {
-		fn := fnBegin
-		if wait > 0 {
-			fn = fnBeginWait
+		return Record{}, false, s.mapError(err, fn)
+	}
+	defer rows.Close()
+	// The columns by name; one this client does not know is skipped.
+	byName := map[string]interface{}{
+		"claimed": &claimed, "state": &state, "token": &token, "status": &status, "body": &body,
+		"lease_until": &leaseUntil, "expires_at": &expiresAt, "phase": &phase, "phase_data": &phaseData,
+	}
+	fields := rows.FieldDescriptions()
+	dest := make([]interface{}, len(fields))
+	for i, f := range fields {
+		dest[i] = byName[string(f.Name)]
+	}
+	if !rows.Next() {
+		if err := rows.Err(); err != nil {
+			return Record{}, false, s.mapError(err, fn)
 		}
+		return Record{}, false, errors.New("idem_begin returned no row")
+	}
+	if err := rows.Scan(dest...); err != nil {
+		return Record{}, false, s.mapError(err, fn)
+	}
+	rows.Close()
+	if err := rows.Err(); err != nil {
 		return Record{}, false, s.mapError(err, fn)
 	}
 	rec := Record{Fingerprint: fingerprint, State: State(state)}
@@ -277,6 +311,12 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 			return Record{}, false, errors.New("idem_begin claimed a key without a token")
 		}
 		rec.Token = *token
+		if phase != nil && *phase != "" {
+			rec.Phase = *phase
+			if phaseData != nil {
+				rec.PhaseData = append([]byte{}, phaseData...)
+			}
+		}
 	}
 	return rec, claimed, nil
 }
@@ -408,6 +448,33 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 		return q.QueryRow(cctx, s.sql(sqlExtend), extended, key, token, interval(lease), s.Scope).Scan(&until)
 	})
 	return until, s.mapError(err, fnExtend)
+}
+
+// Checkpoint stores phase and data as the recovery point of the claim of
+// key held with token, with idem_checkpoint in its own transaction (see
+// Checkpointer).  A token that was superseded gets ErrSuperseded, a key
+// without a live claim ErrNoClaim, a completed key ErrAlreadyCompleted
+// (as *Error); a claim of another role 42501, an empty phase 22023 and
+// data larger than idem.max_body_size 54000 (as *pgconn.PgError).
+func (s *PostgresStore) Checkpoint(ctx context.Context, key string, token int64, phase string, data []byte, now time.Time) error {
+	if err := s.fault("checkpoint"); err != nil {
+		return err
+	}
+	cctx, cancel := s.callContext(ctx, 0)
+	defer cancel()
+	return s.mapError(s.call(cctx, now, func(q querier) error {
+		return s.checkpointRow(cctx, q, key, token, phase, data)
+	}), fnCheckpoint)
+}
+
+// checkpointRow runs idem_checkpoint on q.
+func (s *PostgresStore) checkpointRow(ctx context.Context, q querier, key string, token int64, phase string, data []byte) error {
+	var ok bool
+	var d interface{}
+	if data != nil {
+		d = data
+	}
+	return q.QueryRow(ctx, s.sql(sqlCheckpoint), extended, key, token, phase, d, s.Scope).Scan(&ok)
 }
 
 // DoTx runs fn under key in one transaction with fn's own writes: it

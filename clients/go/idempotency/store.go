@@ -39,6 +39,11 @@ type Response struct {
 // Token is the claim's fencing token when Begin claimed the key (0
 // otherwise).  PostgresStore does not learn the stored fingerprint of a
 // key used with another one: on Conflict, Fingerprint is empty.
+//
+// Phase and PhaseData are the recovery point of the key, its last
+// checkpoint (see Checkpointer), when Begin claimed it by taking over a
+// claim whose lease had ended: "" and nil for a new claim, for a claim
+// that had no checkpoint and whenever Begin did not claim.
 type Record struct {
 	Fingerprint string
 	State       State
@@ -46,6 +51,8 @@ type Record struct {
 	LeaseUntil  time.Time
 	ExpiresAt   time.Time
 	Token       int64
+	Phase       string
+	PhaseData   []byte
 }
 
 // Store claims keys and stores responses.
@@ -79,6 +86,19 @@ type Releaser interface {
 // It returns the new end of the lease.
 type Extender interface {
 	Extend(ctx context.Context, key string, token int64, now time.Time, lease time.Duration) (time.Time, error)
+}
+
+// Checkpointer is a Store that keeps a recovery point on a claim: the
+// last phase of the work that finished, and its data.  A Begin that takes
+// the key over after the lease ended returns it (Record.Phase,
+// Record.PhaseData), so that the new holder resumes where the old one
+// stopped; a later checkpoint replaces the earlier one and a completion
+// drops it.  Checkpoint is fenced like Complete: a token that was
+// superseded gets ErrSuperseded, a key without a live claim ErrNoClaim, a
+// completed key ErrAlreadyCompleted.  MemoryStore and PostgresStore (idem
+// 1.4, idem_checkpoint) are Checkpointers; Step and StepTx use it.
+type Checkpointer interface {
+	Checkpoint(ctx context.Context, key string, token int64, phase string, data []byte, now time.Time) error
 }
 
 // Claim identifies the claim a handler runs under.
@@ -131,8 +151,9 @@ type MemoryStore struct {
 	changed chan struct{}
 	// waiting counts the callers waiting in BeginWait.
 	waiting int
-	// Fault, when set, is called with "begin", "complete", "release" or
-	// "extend" before each operation; an error fails that operation.
+	// Fault, when set, is called with "begin", "complete", "release",
+	// "extend" or "checkpoint" before each operation; an error fails that
+	// operation.
 	Fault func(op string) error
 }
 
@@ -208,16 +229,25 @@ func (s *MemoryStore) begin(key, fingerprint string, now time.Time, lease, reten
 	if rec.Fingerprint != fingerprint {
 		rec.State = Conflict
 		rec.Token = 0
+		rec.Phase, rec.PhaseData = "", nil
 		return rec, false
 	}
 	if rec.State == Done || now.Before(rec.LeaseUntil) {
 		rec.Token = 0
+		rec.Phase, rec.PhaseData = "", nil
 		return rec, false
 	}
+	// A takeover: the recovery point stays on the key (a holder that
+	// stops before its first checkpoint leaves it to the next) and goes
+	// to the new holder.
 	s.lastToken++
 	rec.LeaseUntil = now.Add(lease)
 	rec.Token = s.lastToken
 	s.records[key] = rec
+	rec.PhaseData = append([]byte(nil), rec.PhaseData...)
+	if rec.Phase == "" {
+		rec.PhaseData = nil
+	}
 	return rec, true
 }
 
@@ -246,6 +276,7 @@ func (s *MemoryStore) Complete(ctx context.Context, key, fingerprint string, res
 		return ErrSuperseded
 	}
 	rec.State = Done
+	rec.Phase, rec.PhaseData = "", nil
 	rec.Response = Response{Status: resp.Status, Body: append([]byte(nil), resp.Body...)}
 	rec.LeaseUntil = time.Time{}
 	rec.ExpiresAt = now.Add(retention)
@@ -297,4 +328,30 @@ func (s *MemoryStore) Extend(ctx context.Context, key string, token int64, now t
 	}
 	s.records[key] = rec
 	return rec.LeaseUntil, nil
+}
+
+// Checkpoint stores phase and data as the recovery point of the claim of
+// key held with token; see Checkpointer.  An empty phase is refused.
+func (s *MemoryStore) Checkpoint(ctx context.Context, key string, token int64, phase string, data []byte, now time.Time) error {
+	if phase == "" {
+		return errors.New("idempotency: checkpoint needs a phase")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if err := s.fault("checkpoint"); err != nil {
+		return err
+	}
+	rec, ok := s.records[key]
+	switch {
+	case !ok || !now.Before(rec.ExpiresAt):
+		return ErrNoClaim
+	case rec.State == Done:
+		return ErrAlreadyCompleted
+	case rec.Token != token:
+		return ErrSuperseded
+	}
+	rec.Phase = phase
+	rec.PhaseData = append([]byte(nil), data...)
+	s.records[key] = rec
+	return nil
 }

@@ -319,13 +319,15 @@ func TestWaitForTwentyDuplicates(t *testing.T) {
 func TestWaitForPostgres(t *testing.T) {
 	t.Run("six_argument_form_unless_waiting", func(t *testing.T) {
 		// A schema with only the six-argument idem_begin, as in a database
-		// whose extension predates wait_for.
+		// whose extension predates wait_for (and the recovery point's
+		// phase and phase_data: the store reads the columns it finds).
 		if _, err := testPool.Exec(bg, `DROP SCHEMA IF EXISTS go_idem_old CASCADE;
 			CREATE SCHEMA go_idem_old;
 			CREATE FUNCTION go_idem_old.idem_begin(text, text, interval, interval, text, boolean)
 			RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
 			               lease_until timestamptz, expires_at timestamptz)
-			LANGUAGE sql AS 'SELECT * FROM public.idem_begin($1, $2, $3, $4, $5, $6)'`); err != nil {
+			LANGUAGE sql AS 'SELECT claimed, state, token, status, body, lease_until, expires_at
+			                 FROM public.idem_begin($1, $2, $3, $4, $5, $6)'`); err != nil {
 			t.Fatal(err)
 		}
 		defer testPool.Exec(bg, `DROP SCHEMA go_idem_old CASCADE`)

@@ -206,6 +206,11 @@ function runCaptured(req, res, next, claim, capture, ctx) {
     const signal = claim.signal || new AbortController().signal;
     req.idempotency = { key: ctx.key, scope: ctx.scope, token: claim.token, signal, replayed: false };
     if (claim.client) req.idempotency.client = claim.client;
+    if (typeof claim.step === 'function') {
+      req.idempotency.step = claim.step;
+      req.idempotency.stepTx = claim.stepTx;
+      req.idempotency.resumedFrom = claim.resumedFrom;
+    }
     const chunks = [];
     const write = res.write;
     const end = res.end;

@@ -8,6 +8,7 @@ const { Store } = require('./store');
 const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 const { transaction } = require('./transaction');
+const { Steps } = require('./steps');
 
 /** Extra time the client gives the server to report its own timeout. */
 const CLIENT_GRACE_MS = 1000;
@@ -178,6 +179,8 @@ class Guard {
       leaseUntil: null,
       expiresAt: null,
       notStored: false,
+      resumedFrom: null,
+      steps: [],
     };
     const { scope, lease, retention } = o;
 
@@ -219,6 +222,22 @@ class Guard {
         return controller.signal.aborted;
       },
     };
+    const steps = new Steps({
+      key,
+      scope,
+      token: row.token,
+      signal: controller.signal,
+      phase: row.phase,
+      phaseData: row.phaseData,
+      checkpoint: (name, data) => this._run(o, 'checkpoint', (c, store) =>
+        store.checkpoint(c, { key, token: row.token, phase: name, data, scope })),
+      runTx: (name, fn) => this._stepTx(o, key, row.token, name, fn),
+    });
+    claim.resumedFrom = steps.resumedFrom;
+    claim.step = (name, fn) => steps.step(name, fn);
+    claim.stepTx = (name, fn) => steps.stepTx(name, fn);
+    claim.stepsDone = () => steps.done();
+    result.resumedFrom = steps.resumedFrom;
 
     let response;
     let handlerError = null;
@@ -233,10 +252,15 @@ class Guard {
       result.superseded = controller.signal.aborted;
     }
 
+    result.steps = steps.done();
+
     if (handlerError !== null) {
       result.error = handlerError;
       result.failedStep = 'handler';
-      if (!o.keepClaimOnError) {
+      // A claim with a recovery point is left to its lease: a release would
+      // delete the finished steps with the key, and the retry would do
+      // their work again instead of resuming after them.
+      if (!o.keepClaimOnError && !steps.any) {
         try {
           result.released = await this._run(o, 'release', (c, store) =>
             store.release(c, { key, token: row.token, scope }));
@@ -338,6 +362,72 @@ class Guard {
       await running;
     };
     return hb;
+  }
+
+  /**
+   * claim.stepTx's transaction, on a client of the pool: BEGIN, idem_hold
+   * (with the call's timeout and clock offset; the transaction's own
+   * timeouts are put back for the step), fn(client) (the step's writes;
+   * it resolves to { output, data }), idem_checkpoint of the step with
+   * data, COMMIT.  The writes and the checkpoint commit together; a
+   * superseded holder is refused by idem_hold before fn runs.  Any error
+   * rolls back and is thrown.
+   */
+  async _stepTx(o, key, token, name, fn) {
+    fireFault(o, 'hold');
+    const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
+    let client;
+    try {
+      client = await this.pool.connect();
+    } catch (err) {
+      throw toIdemError(err);
+    }
+    const q = async (text, values) => {
+      try {
+        return await client.query(text, values);
+      } catch (err) {
+        throw toIdemError(err);
+      }
+    };
+    let destroy = false;
+    let ended = false;
+    try {
+      await q('BEGIN');
+      let saved = null;
+      if (o.timeout > 0) {
+        saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
+          " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
+        await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
+      }
+      const offset = clockOffsetOf(o);
+      if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+      await store.hold(client, { key, token, scope: o.scope });
+      if (saved) {
+        await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
+          ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
+      }
+      const { output, data } = await fn(client);
+      fireFault(o, 'checkpoint');
+      if (o.timeout > 0) await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
+      await store.checkpoint(client, { key, token, phase: name, data, scope: o.scope });
+      const res = await q('COMMIT');
+      ended = true;
+      if (res && res.command === 'ROLLBACK') {
+        throw new IdemError(`step ${JSON.stringify(name)}: the transaction was rolled back: a statement in it failed`);
+      }
+      return output;
+    } catch (err) {
+      if (!ended) {
+        try {
+          await client.query('ROLLBACK');
+        } catch {
+          destroy = true; // the connection is gone: the server rolls back
+        }
+      }
+      throw err;
+    } finally {
+      client.release(destroy ? true : undefined);
+    }
   }
 
   /** The one-transaction helper with this guard's options; see transaction(). */

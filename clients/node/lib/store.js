@@ -53,7 +53,7 @@ function checkStatus(status) {
 }
 
 /**
- * The four idem functions as single statements on a node-pg client,
+ * The idem functions as single statements on a node-pg client,
  * schema-qualified, every parameter cast to its exact type.  Errors are
  * thrown as idem error classes.  No transaction control here.
  */
@@ -62,13 +62,15 @@ class Store {
     const s = quoteIdent(options.schema ?? 'public');
     this.schema = options.schema ?? 'public';
     this.sql = {
-      begin: 'SELECT claimed, state, token, status, body, lease_until, expires_at' +
-        ` FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)`,
+      // Every column, read by name: phase and phase_data (a takeover's recovery
+      // point) where the server has them, the rest from any idem_begin.
+      begin: `SELECT * FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)`,
       // The form with wait_for, used only when a wait is asked for, so that a database
       // whose idem_begin has no wait_for keeps working with the six-argument form.
-      beginWait: 'SELECT claimed, state, token, status, body, lease_until, expires_at' +
-        ` FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean,` +
+      beginWait: `SELECT * FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean,` +
         ' $7::interval)',
+      checkpoint: `SELECT true AS ok FROM ${s}.idem_checkpoint($1::text, $2::bigint, $3::text, $4::bytea, $5::text)`,
+      hold: `SELECT true AS ok FROM ${s}.idem_hold($1::text, $2::bigint, $3::text)`,
       complete: `SELECT ${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
         ' $6::interval, $7::text) AS expires_at',
       release: `SELECT ${s}.idem_release($1::text, $2::bigint, $3::text) AS released`,
@@ -121,7 +123,29 @@ class Store {
       body: row.body,
       leaseUntil: row.lease_until,
       expiresAt: row.expires_at,
+      // The recovery point a takeover returns (idem 1.4 with checkpoints): null otherwise.
+      phase: row.claimed && row.phase != null && row.phase !== '' ? row.phase : null,
+      phaseData: row.claimed && row.phase != null && row.phase !== '' ? (row.phase_data ?? null) : null,
     };
+  }
+
+  /**
+   * idem_checkpoint: store phase and data as the recovery point of the
+   * claim held with token (fenced like idem_complete).
+   */
+  async checkpoint(client, { key, token = null, phase, data = null, scope = '' }) {
+    const values = [checkText(key, 'key'), tokenParam(token), checkText(phase, 'phase'), toBuffer(data),
+      checkText(scope, 'scope')];
+    await this._query(client, this.sql.checkpoint, values);
+  }
+
+  /**
+   * idem_hold: inside the caller's transaction, check that token holds the
+   * key and keep a takeover waiting until the transaction ends.
+   */
+  async hold(client, { key, token = null, scope = '' }) {
+    const values = [checkText(key, 'key'), tokenParam(token), checkText(scope, 'scope')];
+    await this._query(client, this.sql.hold, values);
   }
 
   /** idem_complete: store the response; returns the new expires_at. */

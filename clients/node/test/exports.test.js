@@ -9,7 +9,7 @@ const { pathToFileURL } = require('node:url');
 
 const NAMES = ['Guard', 'Outcome', 'Store', 'transaction', 'failTimes', 'idempotency', 'saveRawBody',
   'defaultFingerprint', 'parseKey', 'NOT_STORED', 'IdemError', 'FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError',
-  'AlreadyCompletedError', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient'];
+  'AlreadyCompletedError', 'CheckpointDataError', 'stepIdempotencyKey', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient'];
 
 test('every name is exported to CommonJS and ESM; error classes form one hierarchy', async () => {
   const cjs = require('..');

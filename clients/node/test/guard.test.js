@@ -191,7 +191,8 @@ test('waitFor on a database whose idem_begin has no wait_for: the six-argument c
     CREATE OR REPLACE FUNCTION idem_nowait.idem_begin(text, text, interval, interval, text, boolean)
       RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
                      lease_until timestamptz, expires_at timestamptz)
-      LANGUAGE sql AS $$ SELECT * FROM public.idem_begin($1, $2, $3, $4, $5, $6) $$;
+      LANGUAGE sql AS $$ SELECT claimed, state, token, status, body, lease_until, expires_at
+                         FROM public.idem_begin($1, $2, $3, $4, $5, $6) $$;
     CREATE OR REPLACE FUNCTION idem_nowait.idem_complete(text, text, integer, bytea, bigint, interval, text)
       RETURNS timestamptz LANGUAGE sql AS $$ SELECT public.idem_complete($1, $2, $3, $4, $5, $6, $7) $$;`);
   t.after(async () => {

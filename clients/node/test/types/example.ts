@@ -41,6 +41,20 @@ async function main(): Promise<void> {
     return { status: 200, body: `charged ${t}` };
   });
   if (r.outcome === Outcome.EXECUTED && r.failedStep === 'complete' && !r.notStored) console.warn(r.error);
+
+  // Multi-step work: each step checkpointed, skipped after a takeover.
+  const order = await guard.do('order-9', 'sku=A', async (claim) => {
+    const hold: { hold: string } = await claim.step('reserve', async (s) => ({ hold: `h-${s.token}` }));
+    const charge = await claim.step('charge', (s) => ({ id: s.idempotencyKey, at: s.name }));
+    const rows: number = await claim.stepTx('record', async (c, s) => {
+      const q = await c.query('INSERT INTO orders DEFAULT VALUES RETURNING id');
+      return q.rowCount ?? s.token.toString().length;
+    });
+    const from: string | null = claim.resumedFrom;
+    return { status: 201, body: `${hold.hold} ${charge.id} ${rows} ${from} ${claim.stepsDone().join(',')}` };
+  });
+  const done: string[] = order.steps;
+  console.log(order.resumedFrom, done);
   const expires: Date | null = r.expiresAt;
 
   const client = await pool.connect();
