@@ -15,13 +15,13 @@ DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql sql/idem--1.1--1.2.sql sql/idem-
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
 REGRESS = setup begin fingerprint complete lease release_extend savepoint purge bad_input \
-	settings go_scenarios interface inspect operator storage shape wait_for security amcheck role_quoting upgrade
+	settings go_scenarios interface inspect operator recovery storage shape wait_for security amcheck role_quoting upgrade
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check --inputdir=test \
 	--outputdir=test/output/regress
 
 ISOLATION = claim_concurrent lease_takeover conflict savepoint purge_reclaim \
 	two_keys eight_claimers isolation_levels waiter_locks holder_snapshots reinstall \
-	role_claims update_13 storage_door wait_for
+	role_claims update_13 storage_door wait_for recovery_points
 ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 	--inputdir=test/isolation --outputdir=test/output/isolation \
 	--load-extension=idem

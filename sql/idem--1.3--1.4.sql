@@ -28,7 +28,10 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 ALTER TABLE idem.keys ALTER COLUMN claimed_by TYPE pg_catalog.text COLLATE pg_catalog."C"
 	USING CASE WHEN pg_catalog.pg_get_userbyid(claimed_by) OPERATOR(pg_catalog.=)
 				   pg_catalog.format('unknown (OID=%s)', claimed_by) THEN ''
-			   ELSE pg_catalog.pg_get_userbyid(claimed_by)::pg_catalog.text END;
+			   ELSE pg_catalog.pg_get_userbyid(claimed_by)::pg_catalog.text END,
+	/* recovery points (idem_checkpoint): not indexed, so a checkpoint is HOT */
+	ADD COLUMN phase pg_catalog.text,
+	ADD COLUMN phase_data pg_catalog.bytea;
 
 /* claimed_by is shown as the role, NULL once the role no longer exists. */
 CREATE OR REPLACE VIEW @extschema@.idem_keys AS
@@ -176,7 +179,8 @@ BEGIN
 										   wait_for pg_catalog.interval DEFAULT NULL)
 	RETURNS TABLE (claimed pg_catalog.bool, state pg_catalog.text, token pg_catalog.int8,
 				   status pg_catalog.int4, body pg_catalog.bytea,
-				   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz)
+				   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz,
+				   phase pg_catalog.text, phase_data pg_catalog.bytea)
 	AS 'MODULE_PATHNAME', 'idem_begin'
 	LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
 
@@ -235,7 +239,9 @@ AS $$
 		('@extschema@.idem_extend(text, bigint, interval, text)', 1, 4),
 		('@extschema@.idem_lookup(text, text)', 1, 2),
 		('@extschema@.idem_evict(text, text)', 1, 2),
-		('@extschema@.idem_force_release(text, text, text)', 1, 2)
+		('@extschema@.idem_force_release(text, text, text)', 1, 2),
+		('@extschema@.idem_checkpoint(text, bigint, text, bytea, text)', 1, 5),
+		('@extschema@.idem_hold(text, bigint, text)', 1, 3)
 	  ) AS f(signature, key_arg, scope_arg)
 $$;
 
@@ -266,14 +272,15 @@ CREATE FUNCTION @extschema@.idem_stalled(
 	older_than pg_catalog.interval DEFAULT '0'::pg_catalog.interval)
 RETURNS TABLE (scope pg_catalog.text, key pg_catalog.text, token pg_catalog.int8,
 			   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz,
-			   claimed_by pg_catalog.regrole, stalled_for pg_catalog.interval)
+			   claimed_by pg_catalog.regrole, phase pg_catalog.text,
+			   stalled_for pg_catalog.interval)
 LANGUAGE sql VOLATILE PARALLEL UNSAFE SECURITY DEFINER
 SET search_path = pg_catalog
 AS $$
 	SELECT k.scope, k.key, k.token, k.lease_until, k.expires_at,
 		   (SELECT r.oid FROM pg_catalog.pg_roles r
 			 WHERE r.rolname OPERATOR(pg_catalog.=) k.claimed_by)::pg_catalog.regrole,
-		   c.now OPERATOR(pg_catalog.-) k.lease_until
+		   k.phase, c.now OPERATOR(pg_catalog.-) k.lease_until
 	  FROM idem.keys k,
 		   (SELECT pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
 				   COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
@@ -284,7 +291,32 @@ AS $$
 	 ORDER BY k.lease_until
 $$;
 
+/*
+ * Recovery points and fenced business writes: a claim's holder stores the
+ * last finished phase of its work and its output (idem_checkpoint), which
+ * a takeover's idem_begin returns; idem_hold checks that the caller holds
+ * the current claim and keeps the key's row locked FOR SHARE until the
+ * transaction ends, so that a takeover waits and a superseded holder is
+ * refused before its business writes.  Granted like idem_complete.
+ */
+CREATE FUNCTION @extschema@.idem_checkpoint(key pg_catalog.text, token pg_catalog.int8,
+											phase pg_catalog.text,
+											data pg_catalog.bytea DEFAULT NULL,
+											scope pg_catalog.text DEFAULT '')
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_checkpoint'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+CREATE FUNCTION @extschema@.idem_hold(key pg_catalog.text, token pg_catalog.int8,
+									  scope pg_catalog.text DEFAULT '')
+RETURNS void
+AS 'MODULE_PATHNAME', 'idem_hold'
+LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
 REVOKE ALL ON FUNCTION
+	@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text,
+								pg_catalog.bytea, pg_catalog.text),
+	@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text),
 	@extschema@.idem_evict(pg_catalog.text, pg_catalog.text),
 	@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text),
 	@extschema@.idem_stalled(pg_catalog.interval)
@@ -304,6 +336,8 @@ BEGIN
 		  FROM pg_catalog.pg_proc p
 		 CROSS JOIN LATERAL pg_catalog.aclexplode(p.proacl) a
 		 WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY[
+				'@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text, pg_catalog.bytea, pg_catalog.text)'::pg_catalog.regprocedure,
+				'@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text)'::pg_catalog.regprocedure,
 				'@extschema@.idem_evict(pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
 				'@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
 				'@extschema@.idem_stalled(pg_catalog.interval)'::pg_catalog.regprocedure]::pg_catalog.oid[])

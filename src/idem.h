@@ -31,9 +31,11 @@
 /*
  * Columns of idem.keys, as created by sql/idem--1.0.sql; claimed_by is
  * added by the update to 1.3 (a table of an older version has only the
- * first eight, and its claims are bound to no role).
+ * first eight, and its claims are bound to no role), phase and phase_data
+ * by the update to 1.4 (a table of 1.3 has nine, and no recovery points).
  */
-#define Natts_keys				9
+#define Natts_keys				11
+#define Natts_keys_1_3			9
 #define Natts_keys_1_2			8
 #define Anum_keys_scope			1
 #define Anum_keys_key			2
@@ -44,6 +46,8 @@
 #define Anum_keys_lease_until	7
 #define Anum_keys_expires_at	8
 #define Anum_keys_claimed_by	9
+#define Anum_keys_phase			10
+#define Anum_keys_phase_data	11
 
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32

@@ -79,7 +79,7 @@
 /*
  * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
  * to 1.3 adds claimed_by (a role's OID) and the update to 1.4 makes it the
- * role's name.
+ * role's name and adds phase and phase_data.
  */
 static const struct
 {
@@ -97,6 +97,8 @@ static const struct
 	{"lease_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
 	{"expires_at", TIMESTAMPTZOID, TIMESTAMPTZOID, true},
 	{"claimed_by", TEXTOID, OIDOID, false},
+	{"phase", TEXTOID, TEXTOID, false},
+	{"phase_data", BYTEAOID, BYTEAOID, false},
 };
 
 /* Identity of the table, cached until an invalidation touches it. */
@@ -344,7 +346,8 @@ check_shape(Relation rel, KeyShape *shape)
 	if (rel->rd_rel->relispartition)
 		refuse_shape(errmsg("idem cannot use table idem.keys: it is a partition of another table"),
 					 errdetail("idem does not check partition constraints."));
-	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_2)
+	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_3 &&
+		desc->natts != Natts_keys_1_2)
 		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
 					 errdetail("It has %d columns; idem expects %d.",
 							   desc->natts, Natts_keys));

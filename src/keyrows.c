@@ -398,7 +398,20 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 	values[Anum_keys_lease_until - 1] = TimestampTzGetDatum(kv->lease_until);
 	nulls[Anum_keys_lease_until - 1] = !kv->has_lease;
 	values[Anum_keys_expires_at - 1] = TimestampTzGetDatum(kv->expires_at);
-	/* Left out by heap_form_tuple from a table without the column. */
+	/* Left out by heap_form_tuple from a table without the columns. */
+	nulls[Anum_keys_phase - 1] = (kv->phase == NULL);
+	values[Anum_keys_phase - 1] = PointerGetDatum(kv->phase);
+	nulls[Anum_keys_phase_data - 1] = (kv->phase_data == NULL);
+	values[Anum_keys_phase_data - 1] = PointerGetDatum(kv->phase_data);
+	if (old != NULL && kv->phase_as_stored && desc->natts >= Anum_keys_phase_data)
+	{
+		values[Anum_keys_phase - 1] = kt->slot->tts_values[Anum_keys_phase - 1];
+		nulls[Anum_keys_phase - 1] = kt->slot->tts_isnull[Anum_keys_phase - 1];
+		values[Anum_keys_phase_data - 1] =
+			kt->slot->tts_values[Anum_keys_phase_data - 1];
+		nulls[Anum_keys_phase_data - 1] =
+			kt->slot->tts_isnull[Anum_keys_phase_data - 1];
+	}
 	nulls[Anum_keys_claimed_by - 1] = !kv->claimed_by.bound;
 	if (old != NULL && kv->claimant_as_stored &&
 		desc->natts >= Anum_keys_claimed_by)
@@ -801,6 +814,53 @@ idem_keytable_delete(KeyTable *kt, KeyRow *row, bool wait)
 	result = delete_version(kt, &row->tid, wait);
 	error_context_stack = errcb.previous;
 	return write_result(kt, result);
+}
+
+/*
+ * Lock the version read FOR SHARE until the end of the transaction, as
+ * SELECT ... FOR SHARE does, waiting for a transaction that changes it: a
+ * claim's holder keeps a takeover (an update) waiting until it commits.
+ * KEYWRITE_CHANGED if the version was changed or deleted meanwhile.
+ */
+KeyWrite
+idem_keytable_lock_share(KeyTable *kt, KeyRow *row)
+{
+	TM_Result	result;
+	TM_FailureData tmfd;
+	ErrorContextCallback errcb;
+
+	idem_keyrel_prepare_write(kt);
+	push_wait_context(kt, &errcb);
+	result = table_tuple_lock(kt->rel, &row->tid, GetLatestSnapshot(),
+							  kt->slot, GetCurrentCommandId(false),
+							  LockTupleShare, LockWaitBlock, 0, &tmfd);
+	error_context_stack = errcb.previous;
+	return write_result(kt, result);
+}
+
+/*
+ * The recovery point of the version read (its phase and phase_data),
+ * copied into cxt; NULL where there is none, or the table has no such
+ * columns (before 1.4).
+ */
+void
+idem_keytable_read_phase(KeyTable *kt, KeyRow *row, MemoryContext cxt,
+						 text **phase, bytea **phase_data)
+{
+	MemoryContext old;
+
+	*phase = NULL;
+	*phase_data = NULL;
+	if (RelationGetDescr(kt->rel)->natts < Anum_keys_phase_data)
+		return;
+	fetch_version(kt, &row->tid);
+	slot_getallattrs(kt->slot);
+	old = MemoryContextSwitchTo(cxt);
+	if (!kt->slot->tts_isnull[Anum_keys_phase - 1])
+		*phase = DatumGetTextPCopy(kt->slot->tts_values[Anum_keys_phase - 1]);
+	if (!kt->slot->tts_isnull[Anum_keys_phase_data - 1])
+		*phase_data = DatumGetByteaPCopy(kt->slot->tts_values[Anum_keys_phase_data - 1]);
+	MemoryContextSwitchTo(old);
 }
 
 /*

@@ -53,6 +53,8 @@ PG_FUNCTION_INFO_V1(idem_begin);
 PG_FUNCTION_INFO_V1(idem_complete);
 PG_FUNCTION_INFO_V1(idem_release);
 PG_FUNCTION_INFO_V1(idem_extend);
+PG_FUNCTION_INFO_V1(idem_checkpoint);
+PG_FUNCTION_INFO_V1(idem_hold);
 
 typedef enum ClaimState
 {
@@ -79,6 +81,8 @@ typedef struct ClaimResult
 	TimestampTz lease_until;
 	bool		has_expiry;
 	TimestampTz expires_at;
+	text	   *phase;			/* a takeover: the last recovery point */
+	bytea	   *phase_data;
 } ClaimResult;
 
 /* What a claim needs, validated. */
@@ -300,10 +304,15 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 	claim_values(&kv, args, takeover ?
 				 Max(row->expires_at, args->lease_until) : args->expires_at);
 	kv.token = IDEM_NEW_TOKEN;
+	/* A takeover keeps the recovery point of the claim it ends. */
+	kv.phase_as_stored = takeover;
 	written = idem_keytable_update(kt, row, &kv, wait);
 	if (written == KEYWRITE_OK)
 	{
 		set_claimed(res, kv.token, kv.lease_until, kv.expires_at);
+		if (takeover)
+			idem_keytable_read_phase(kt, row, args->result_cxt,
+									 &res->phase, &res->phase_data);
 		idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
 		if (takeover && idem_log_takeovers)
 			ereport(LOG,
@@ -551,8 +560,8 @@ idem_begin(PG_FUNCTION_ARGS)
 	ClaimArgs	args;
 	ClaimResult res;
 	KeyTable	kt;
-	Datum		values[7];
-	bool		nulls[7];
+	Datum		values[9];
+	bool		nulls[9];
 	instr_time	started;
 
 	idem_stats_start(&started);
@@ -639,6 +648,17 @@ idem_begin(PG_FUNCTION_ARGS)
 		values[6] = TimestampTzGetDatum(res.expires_at);
 		nulls[6] = false;
 	}
+	/* phase and phase_data, the columns 1.4 adds; put only where declared */
+	if (res.phase != NULL)
+	{
+		values[7] = PointerGetDatum(res.phase);
+		nulls[7] = false;
+	}
+	if (res.phase_data != NULL)
+	{
+		values[8] = PointerGetDatum(res.phase_data);
+		nulls[8] = false;
+	}
 	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
 	return (Datum) 0;
 }
@@ -648,7 +668,9 @@ typedef enum HeldOp
 {
 	HELD_COMPLETE,
 	HELD_RELEASE,
-	HELD_EXTEND
+	HELD_EXTEND,
+	HELD_CHECKPOINT,			/* store a recovery point */
+	HELD_HOLD					/* lock the row FOR SHARE; no write */
 } HeldOp;
 
 /* A call of idem_complete, idem_release or idem_extend, its arguments checked. */
@@ -667,6 +689,8 @@ typedef struct HeldCall
 	bool		has_expiry;		/* complete: a new window was asked for */
 	TimestampTz expires_at;
 	TimestampTz lease_until;	/* extend: the lease asked for */
+	text	   *phase;			/* checkpoint: the recovery point */
+	bytea	   *phase_data;
 } HeldCall;
 
 typedef enum Holder
@@ -826,6 +850,13 @@ held_values(const HeldCall *hc, KeyRow *row, KeyValues *kv)
 	kv->expires_at = row->expires_at;
 	kv->claimed_by = row->claimed_by;
 	kv->claimant_as_stored = true;
+	/* A completion drops the recovery point; a checkpoint replaces it. */
+	kv->phase_as_stored = (hc->op == HELD_EXTEND);
+	if (hc->op == HELD_CHECKPOINT)
+	{
+		kv->phase = hc->phase;
+		kv->phase_data = hc->phase_data;
+	}
 	if (hc->op == HELD_COMPLETE)
 	{
 		kv->done = true;
@@ -888,6 +919,8 @@ write_held_row(const HeldCall *hc, KeyValues *kv)
 			case HOLDER_WRITE:
 				if (hc->op == HELD_RELEASE)
 					result = idem_keytable_delete(&kt, &row, true);
+				else if (hc->op == HELD_HOLD)
+					result = idem_keytable_lock_share(&kt, &row);
 				else
 				{
 					held_values(hc, &row, kv);
@@ -1081,4 +1114,50 @@ idem_extend(PG_FUNCTION_ARGS)
 									 idem_default_lease, "lease");
 	write_held_row(&hc, &kv);
 	PG_RETURN_TIMESTAMPTZ(kv.lease_until);
+}
+
+/*
+ * idem_checkpoint(key, token, phase, data, scope): store the last finished
+ * phase of a claim's work and its output (a recovery point), fenced as a
+ * completion is.  A takeover's idem_begin returns them, so that the work
+ * resumes after that phase.  Inside the claiming transaction the token may
+ * be NULL, and the phase's business writes commit with its checkpoint.
+ */
+Datum
+idem_checkpoint(PG_FUNCTION_ARGS)
+{
+	HeldCall	hc;
+	KeyValues	kv;
+
+	held_call_init(&hc, HELD_CHECKPOINT, "idem_checkpoint()", fcinfo, 1, 4);
+	hc.phase = idem_arg_text(fcinfo, 2, "phase");
+	idem_check_key(hc.phase, "phase", false);
+	hc.phase_data = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
+	if (hc.phase_data != NULL &&
+		VARSIZE_ANY_EXHDR(hc.phase_data) > (Size) idem_max_body_size)
+		ereport(ERROR,
+				(errcode(ERRCODE_PROGRAM_LIMIT_EXCEEDED),
+				 errmsg("phase data is too large"),
+				 errdetail("It is %zu bytes; idem.max_body_size is %d.",
+						   (size_t) VARSIZE_ANY_EXHDR(hc.phase_data),
+						   idem_max_body_size)));
+	write_held_row(&hc, &kv);
+	PG_RETURN_VOID();
+}
+
+/*
+ * idem_hold(key, token, scope): check that the caller holds the key's
+ * current claim and keep its row locked FOR SHARE until the transaction
+ * ends, so that a takeover waits for the transaction and a superseded
+ * holder is refused (ID002) before it touches business rows.
+ */
+Datum
+idem_hold(PG_FUNCTION_ARGS)
+{
+	HeldCall	hc;
+	KeyValues	kv;
+
+	held_call_init(&hc, HELD_HOLD, "idem_hold()", fcinfo, 1, 2);
+	write_held_row(&hc, &kv);
+	PG_RETURN_VOID();
 }

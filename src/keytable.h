@@ -122,6 +122,9 @@ typedef struct KeyValues
 	TimestampTz expires_at;
 	KeyClaimant claimed_by;
 	bool		claimant_as_stored; /* an update keeps the stored claimed_by */
+	bool		phase_as_stored;	/* an update keeps the stored recovery point */
+	text	   *phase;			/* else this one; NULL for none */
+	bytea	   *phase_data;
 } KeyValues;
 
 /* Pages one purge batch reads at most (8 MB with 8 kB pages). */
@@ -146,6 +149,10 @@ extern bool idem_keytable_read_for_write(KeyTable *kt, KeyRow *row,
 extern KeyWrite idem_keytable_update(KeyTable *kt, KeyRow *row,
 									 KeyValues *kv, bool wait);
 extern KeyWrite idem_keytable_delete(KeyTable *kt, KeyRow *row, bool wait);
+extern KeyWrite idem_keytable_lock_share(KeyTable *kt, KeyRow *row);
+extern void idem_keytable_read_phase(KeyTable *kt, KeyRow *row,
+									 MemoryContext cxt, text **phase,
+									 bytea **phase_data);
 extern void idem_keytable_current_claimant(KeyClaimant *claimant);
 extern Oid	idem_keytable_claimant_role(KeyClaimant *claimant);
 extern char *idem_keytable_claimant_text(KeyClaimant *claimant);

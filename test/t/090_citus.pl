@@ -92,7 +92,7 @@ is($coord->safe_psql('postgres', q{
 SELECT string_agg(p.proname || ':' || o.distribution_argument_index || ':' || o.force_delegation, ',' ORDER BY p.proname)
   FROM pg_dist_object o JOIN pg_proc p ON o.classid = 'pg_proc'::regclass AND o.objid = p.oid
  WHERE p.proname LIKE 'idem\_%'}),
-	'idem_begin:0:true,idem_complete:0:true,idem_evict:0:true,idem_extend:0:true,idem_force_release:0:true,idem_lookup:0:true,idem_release:0:true',
+	'idem_begin:0:true,idem_checkpoint:0:true,idem_complete:0:true,idem_evict:0:true,idem_extend:0:true,idem_force_release:0:true,idem_hold:0:true,idem_lookup:0:true,idem_release:0:true',
 	'running idem_distribute() again is harmless; every key function is delegated by its key');
 my ($rc, $out, $err) = $coord->psql('postgres', q{SELECT idem_distribute('scope')});
 like($err, qr/already distributed by key/, 'distributing by another column is refused');
