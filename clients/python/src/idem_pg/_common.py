@@ -136,48 +136,48 @@ class StepLog:
     """The steps of one claim: the outputs restored from the previous
     holder's checkpoint (phase, phase_data) and those finished since.
 
-    phase_data is a UTF-8 JSON object {step name: output} of every step
-    finished so far; phase names the last one.  A step is skipped when its
-    name is in the restored object (a phase without data: that phase only,
-    with output None)."""
+    phase_data is a UTF-8 JSON object whose members are the finished steps
+    in the order they finished, each with its output, and phase names the
+    last one: {"reserve":{"hold":"h-1"},"charge":"ch_1"}.  Every checkpoint
+    carries the whole object.  The Go, Node and C guards write and read the
+    same format.  A step whose name is in it is skipped."""
 
     def __init__(self, phase: Optional[str] = None, data: Optional[bytes] = None):
         self.resumed_from = phase
-        self.restored: Dict[str, Any] = {}
         self.unreadable: Optional[str] = None
+        self.outputs: Dict[str, Any] = {}
         if phase is not None:
-            decoded: Any = {}
-            if data is not None:
+            decoded: Any = None
+            if data is None:
+                self.unreadable = "no data"
+            else:
                 try:
                     decoded = json.loads(bytes(data).decode("utf-8"))
                 except ValueError as exc:
-                    decoded, self.unreadable = None, str(exc)
-            if isinstance(decoded, dict):
-                self.restored = decoded
-                self.restored.setdefault(phase, None)
-            elif self.unreadable is None:
-                self.unreadable = "a JSON %s" % type(decoded).__name__
-        self.outputs: Dict[str, Any] = dict(self.restored)
-        self.finished: Set[str] = set()
+                    self.unreadable = str(exc)
+            if self.unreadable is None:
+                if not isinstance(decoded, dict):
+                    self.unreadable = "not a JSON object"
+                elif phase not in decoded:
+                    self.unreadable = "no member %r for its phase" % phase
+                else:
+                    self.outputs = decoded
         self.skipped: list = []
         self.ran: list = []
 
     def start(self, key: str, name: str) -> Tuple[bool, Any]:
-        """(True, stored output) to skip the step; (False, None) to run it."""
+        """(True, stored output) to skip the step, because it finished (in
+        a previous holder's claim or in this one); (False, None) to run it."""
         if not isinstance(name, str) or not name:
             raise InvalidArgument("a step needs a name (a non-empty str), got %r" % (name,))
         if self.unreadable is not None:
             raise CheckpointUnreadable(
-                "the checkpoint of key %r (phase %r) is not the JSON object of step "
-                "outputs the guard stores (%s): the steps cannot be resumed"
-                % (key, self.resumed_from, self.unreadable))
-        if name in self.finished:
-            raise InvalidArgument("step %r finished already in this claim: step names "
-                                  "must be unique within a handler" % name)
-        if name in self.restored:
-            self.finished.add(name)
+                "the recovery point of key %r (phase %r) was not written by steps (%s): "
+                "they cannot tell which work finished" % (key, self.resumed_from,
+                                                          self.unreadable))
+        if name in self.outputs:
             self.skipped.append(name)
-            return True, self.restored[name]
+            return True, self.outputs[name]
         return False, None
 
     def encode(self, name: str, output: Any) -> Tuple[bytes, Any]:
@@ -195,7 +195,6 @@ class StepLog:
 
     def done(self, name: str, value: Any) -> None:
         self.outputs[name] = value
-        self.finished.add(name)
         self.ran.append(name)
 
     @property
@@ -234,7 +233,7 @@ class Claim:
 
     @property
     def skipped(self) -> list:
-        """The steps skipped so far (restored from the checkpoint), in order."""
+        """The steps skipped so far (they had finished), in order."""
         return list(self._steps.skipped)
 
     def _step_arg(self, name: str) -> Step:
