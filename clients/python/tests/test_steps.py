@@ -359,3 +359,30 @@ def test_provider_key_is_stable_across_tokens():
     assert Step("charge", "pay-7", "", 1).idempotency_key == "pay-7:charge"
     assert Step("charge", "pay-7", "", 9).idempotency_key == "pay-7:charge"
     assert Step("charge", "pay-7", "t1", 9).idempotency_key == "t1:pay-7:charge"
+
+
+def test_server_without_phase_columns(dsn, db, caplog):
+    """A schema whose idem_begin answers the seven columns of 1.3 (42703
+    for phase): the guard logs a warning once, calls without them, and the
+    steps run (nothing to resume from)."""
+    db.execute("CREATE SCHEMA IF NOT EXISTS steps_old")
+    db.execute("""CREATE OR REPLACE FUNCTION steps_old.idem_begin(text, text, interval,
+        interval, text, boolean) RETURNS TABLE (claimed boolean, state text, token bigint,
+        status integer, body bytea, lease_until timestamptz, expires_at timestamptz)
+        LANGUAGE sql AS $$ SELECT claimed, state, token, status, body, lease_until,
+        expires_at FROM public.idem_begin($1, $2, $3, $4, $5, $6) $$""")
+    db.execute("""CREATE OR REPLACE FUNCTION steps_old.idem_complete(text, text, integer,
+        bytea, bigint, interval, text) RETURNS timestamptz LANGUAGE sql
+        AS $$ SELECT public.idem_complete($1, $2, $3, $4, $5, $6, $7) $$""")
+    db.execute("""CREATE OR REPLACE FUNCTION steps_old.idem_checkpoint(text, bigint, text,
+        bytea, text) RETURNS void LANGUAGE sql
+        AS $$ SELECT public.idem_checkpoint($1, $2, $3, $4, $5) $$""")
+    g = Guard(dsn, schema="steps_old", lease=LEASE)
+    for _ in range(2):
+        key = new_key("old")
+        r = g.do(key, FP, lambda claim: Response(200, json.dumps(
+            claim.step("a", lambda s: "A")).encode()))
+        assert r.ok and r.response.body == b'"A"', r.error
+        assert phase_of(db, key) == (None, None)          # a completion keeps nothing
+    warnings = [m for m in caplog.messages if "no phase columns" in m]
+    assert len(warnings) == 1
