@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+import inspect
+import json
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
 
 from psycopg import sql
 
-from .errors import InjectedFault
+from .errors import CheckpointUnreadable, InjectedFault, InvalidArgument
 
 Seconds = Union[float, int, _dt.timedelta, None]
 
@@ -100,20 +103,202 @@ class Result:
         return self.error is None and self.outcome in (Outcome.EXECUTED, Outcome.REPLAYED)
 
 
+@dataclass(frozen=True)
+class Step:
+    """What a step's function gets: the claim's ``key``, ``scope`` and
+    fencing ``token``, and the step's ``name``.
+
+    Pass ``token`` to a downstream that fences (it refuses a token lower
+    than one it has seen), and ``idempotency_key`` to a provider that
+    deduplicates (a payment API): it is the same in every attempt of the
+    step, a takeover's included, so a charge made by a holder that crashed
+    before its checkpoint is not made twice when the step runs again.
+    Never build a provider key from the token: it changes on a takeover."""
+
+    name: str
+    key: str
+    scope: str
+    token: int
+
+    @property
+    def idempotency_key(self) -> str:
+        """``key:name``, or ``scope:key:name`` in a scope."""
+        if self.scope:
+            return "%s:%s:%s" % (self.scope, self.key, self.name)
+        return "%s:%s" % (self.key, self.name)
+
+
+def _json(value: Any) -> str:
+    return json.dumps(value, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
+class StepLog:
+    """The steps of one claim: the outputs restored from the previous
+    holder's checkpoint (phase, phase_data) and those finished since.
+
+    phase_data is a UTF-8 JSON object whose members are the finished steps
+    in the order they finished, each with its output, and phase names the
+    last one: {"reserve":{"hold":"h-1"},"charge":"ch_1"}.  Every checkpoint
+    carries the whole object.  The Go, Node and C guards write and read the
+    same format.  A step whose name is in it is skipped."""
+
+    def __init__(self, phase: Optional[str] = None, data: Optional[bytes] = None):
+        self.resumed_from = phase
+        self.unreadable: Optional[str] = None
+        self.outputs: Dict[str, Any] = {}
+        if phase is not None:
+            decoded: Any = None
+            if data is None:
+                self.unreadable = "no data"
+            else:
+                try:
+                    decoded = json.loads(bytes(data).decode("utf-8"))
+                except ValueError as exc:
+                    self.unreadable = str(exc)
+            if self.unreadable is None:
+                if not isinstance(decoded, dict):
+                    self.unreadable = "not a JSON object"
+                elif phase not in decoded:
+                    self.unreadable = "no member %r for its phase" % phase
+                else:
+                    self.outputs = decoded
+        self.skipped: list = []
+        self.ran: list = []
+
+    def start(self, key: str, name: str) -> Tuple[bool, Any]:
+        """(True, stored output) to skip the step, because it finished (in
+        a previous holder's claim or in this one); (False, None) to run it."""
+        if not isinstance(name, str) or not name:
+            raise InvalidArgument("a step needs a name (a non-empty str), got %r" % (name,))
+        if self.unreadable is not None:
+            raise CheckpointUnreadable(
+                "the recovery point of key %r (phase %r) was not written by steps (%s): "
+                "they cannot tell which work finished" % (key, self.resumed_from,
+                                                          self.unreadable))
+        if name in self.outputs:
+            self.skipped.append(name)
+            return True, self.outputs[name]
+        return False, None
+
+    def encode(self, name: str, output: Any) -> Tuple[bytes, Any]:
+        """(phase_data with this step's output, the output as a skipped
+        step would return it: through JSON and back)."""
+        try:
+            text = _json(output)
+        except (TypeError, ValueError) as exc:
+            raise TypeError("the output of step %r cannot be checkpointed: it must be "
+                            "JSON-serializable (%s)" % (name, exc)) from exc
+        value = json.loads(text)
+        outputs = dict(self.outputs)
+        outputs[name] = value
+        return _json(outputs).encode("utf-8"), value
+
+    def done(self, name: str, value: Any) -> None:
+        self.outputs[name] = value
+        self.ran.append(name)
+
+    @property
+    def checkpointed(self) -> bool:
+        """True if the key holds a checkpoint (restored or made)."""
+        return bool(self.outputs) or self.resumed_from is not None
+
+
 @dataclass
 class Claim:
-    """Passed to the handler: pass ``key``/``token`` downstream (fencing)."""
+    """Passed to the handler: pass ``key``/``token`` downstream (fencing).
+
+    ``step(name, fn)`` and ``step_tx(name, fn)`` divide the work into
+    steps that a takeover resumes after the last one checkpointed
+    (README "Multi-step work"); ``phase`` is that last step when this
+    claim took over from a holder that checkpointed, else None."""
 
     key: str
     fingerprint: str
     scope: str
     token: int
     _lost: Optional[threading.Event] = field(default=None, repr=False)
+    phase: Optional[str] = None
+    _steps: StepLog = field(default_factory=StepLog, repr=False)
+    _guard: Any = field(default=None, repr=False)
 
     @property
     def lost(self) -> bool:
         """True once the heartbeat found the claim superseded or gone."""
         return self._lost is not None and self._lost.is_set()
+
+    @property
+    def outputs(self) -> Dict[str, Any]:
+        """The output of every step finished so far, restored ones included."""
+        return dict(self._steps.outputs)
+
+    @property
+    def skipped(self) -> list:
+        """The steps skipped so far (they had finished), in order."""
+        return list(self._steps.skipped)
+
+    def _step_arg(self, name: str) -> Step:
+        return Step(name, self.key, self.scope, self.token)
+
+    def _runner(self) -> Any:
+        if self._guard is None:
+            raise RuntimeError("steps need a claim made by Guard.do or AsyncGuard.do")
+        return self._guard
+
+    def step(self, name: str, fn: Callable[[Step], Any]) -> Any:
+        """Run ``fn(Step)`` unless a previous holder checkpointed ``name``,
+        then checkpoint its output (idem_checkpoint, its own transaction);
+        returns the output (as JSON gives it back), the stored one when
+        skipped."""
+        runner = self._runner()
+        skip, out = self._steps.start(self.key, name)
+        if skip:
+            return out
+        data, value = self._steps.encode(name, fn(self._step_arg(name)))
+        runner.checkpoint(self.key, self.token, name, data, scope=self.scope)
+        self._steps.done(name, value)
+        return value
+
+    def step_tx(self, name: str, fn: Callable[[Any], Any], conn: Any = None) -> Any:
+        """As step(), but ``fn(conn)`` runs in a transaction that first holds
+        the key (idem_hold: TokenSuperseded before any write of a stale
+        holder) and commits fn's writes with the step's checkpoint.
+        ``conn``: a psycopg.Connection (in a transaction already: a
+        savepoint, and the caller commits); None: one of the guard's."""
+        runner = self._runner()
+        skip, out = self._steps.start(self.key, name)
+        if skip:
+            return out
+        value = runner._step_tx(self, name, fn, conn)
+        self._steps.done(name, value)
+        return value
+
+
+class AsyncClaim(Claim):
+    """The claim an AsyncGuard handler gets: ``step`` and ``step_tx`` are
+    coroutines; a step's function may be sync or async."""
+
+    async def step(self, name: str, fn: Callable[[Step], Any]) -> Any:  # type: ignore[override]
+        runner = self._runner()
+        skip, out = self._steps.start(self.key, name)
+        if skip:
+            return out
+        output = fn(self._step_arg(name))
+        if inspect.isawaitable(output):
+            output = await output
+        data, value = self._steps.encode(name, output)
+        await runner.checkpoint(self.key, self.token, name, data, scope=self.scope)
+        self._steps.done(name, value)
+        return value
+
+    async def step_tx(self, name: str, fn: Callable[[Any], Any],  # type: ignore[override]
+                      conn: Any = None) -> Any:
+        runner = self._runner()
+        skip, out = self._steps.start(self.key, name)
+        if skip:
+            return out
+        value = await runner._step_tx(self, name, fn, conn)
+        self._steps.done(name, value)
+        return value
 
 
 class FailN:
@@ -213,19 +398,27 @@ class Statements:
         self.schema = schema
         # The server's clock, read once idem_begin has answered, dates the
         # lease_until of an in-flight answer without trusting this host's.
-        self.begin = sql.SQL(
-            "SELECT claimed, state, token, status, body, lease_until, expires_at,"
-            " pg_catalog.clock_timestamp() FROM {}.idem_begin("
-            "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean)"
-        ).format(s)
+        # The guards also read phase and phase_data (1.4: the checkpoint a
+        # takeover resumes from); the plain forms serve atomic() and servers
+        # without those columns.
+        cols = ("SELECT claimed, state, token, status, body, lease_until, expires_at,"
+                " pg_catalog.clock_timestamp()")
+        args6 = ("%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean")
+        self.begin = sql.SQL(cols + " FROM {}.idem_begin(" + args6 + ")").format(s)
         # Only when the caller asks for a wait: an extension older than
         # idem_begin's wait_for still answers six arguments.
         self.begin_wait = sql.SQL(
-            "SELECT claimed, state, token, status, body, lease_until, expires_at,"
-            " pg_catalog.clock_timestamp() FROM {}.idem_begin("
-            "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean,"
-            " %s::interval)"
+            cols + " FROM {}.idem_begin(" + args6 + ", %s::interval)").format(s)
+        self.begin_phase = sql.SQL(
+            cols + ", phase, phase_data FROM {}.idem_begin(" + args6 + ")").format(s)
+        self.begin_wait_phase = sql.SQL(
+            cols + ", phase, phase_data FROM {}.idem_begin(" + args6
+            + ", %s::interval)").format(s)
+        self.checkpoint = sql.SQL(
+            "SELECT {}.idem_checkpoint(%s::text, %s::bigint, %s::text, %b::bytea, %s::text)"
         ).format(s)
+        self.hold = sql.SQL(
+            "SELECT {}.idem_hold(%s::text, %s::bigint, %s::text)").format(s)
         self.complete = sql.SQL(
             "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea, "
             "%s::bigint, %s::interval, %s::text)"
@@ -237,10 +430,16 @@ class Statements:
         # What a call of each step names when the server has no such function.
         self.functions = {"begin": "idem_begin", "complete": "idem_complete",
                           "release": "idem_release", "extend": "idem_extend",
-                          "lookup": "idem_lookup"}
+                          "lookup": "idem_lookup", "checkpoint": "idem_checkpoint",
+                          "hold": "idem_hold"}
         self.lookup = sql.SQL(
             "SELECT state, token, status, lease_until, expires_at, body_size"
             " FROM {}.idem_lookup(%s::text, %s::text)").format(s)
+
+    def begin_query(self, wait: bool, phase: bool) -> sql.Composed:
+        if wait:
+            return self.begin_wait_phase if phase else self.begin_wait
+        return self.begin_phase if phase else self.begin
 
     @staticmethod
     def prelude(timeout_s: Optional[float], clock: Optional[str]):
@@ -260,7 +459,9 @@ class Statements:
 @dataclass(frozen=True)
 class BeginRow:
     """The row idem_begin answered.  ``lease_left``: seconds from the
-    server's clock (idem.clock_offset included) to ``lease_until``."""
+    server's clock (idem.clock_offset included) to ``lease_until``.
+    ``phase``/``phase_data``: on a takeover, the previous holder's last
+    checkpoint (None otherwise, and from servers before 1.4)."""
 
     claimed: bool
     state: str
@@ -270,6 +471,8 @@ class BeginRow:
     lease_until: Optional[_dt.datetime] = None
     expires_at: Optional[_dt.datetime] = None
     lease_left: Optional[float] = None
+    phase: Optional[str] = None
+    phase_data: Optional[bytes] = None
 
     @classmethod
     def of(cls, row, offset_s: float = 0.0) -> "BeginRow":
@@ -277,12 +480,17 @@ class BeginRow:
         lease_until = row[5] if len(row) > 5 else None
         expires_at = row[6] if len(row) > 6 else None
         now = row[7] if len(row) > 7 else None
+        phase = row[8] if len(row) > 8 else None
+        phase_data = row[9] if len(row) > 9 else None
         if body is not None and not isinstance(body, bytes):
             body = bytes(body)
+        if phase_data is not None and not isinstance(phase_data, bytes):
+            phase_data = bytes(phase_data)
         left = None
         if lease_until is not None and now is not None:
             left = (lease_until - now).total_seconds() - offset_s
-        return cls(bool(claimed), state, token, status, body, lease_until, expires_at, left)
+        return cls(bool(claimed), state, token, status, body, lease_until, expires_at, left,
+                   phase, phase_data)
 
     def outcome(self) -> Outcome:
         if self.claimed:
@@ -297,3 +505,52 @@ class BeginRow:
         if self.state != "DONE" or self.claimed:
             return None
         return Response(self.status if self.status is not None else 0, self.body or b"")
+
+
+# Bounds for one statement inside a caller's transaction (SET LOCAL; NULL:
+# keep that one), then the values from before.
+SET_BOUNDS = ("SELECT pg_catalog.current_setting('lock_timeout'),"
+              " pg_catalog.current_setting('statement_timeout'),"
+              " pg_catalog.set_config('lock_timeout', coalesce(%s::text,"
+              " pg_catalog.current_setting('lock_timeout')), true),"
+              " pg_catalog.set_config('statement_timeout', coalesce(%s::text,"
+              " pg_catalog.current_setting('statement_timeout')), true)")
+RESTORE = ("SELECT pg_catalog.set_config('lock_timeout', %s::text, true),"
+           " pg_catalog.set_config('statement_timeout', %s::text, true)")
+SET_CLOCK = "SELECT pg_catalog.set_config('idem.clock_offset', %s::text, true)"
+
+
+def ms(value: Seconds) -> str:
+    return "%d" % max(1, round((seconds(value) or 0.0) * 1000))
+
+
+def bounds(lock_timeout: Optional[float], statement_timeout: Optional[float]):
+    """The parameters of SET_BOUNDS, or None to leave the session's."""
+    if lock_timeout is None and statement_timeout is None:
+        return None
+    return [ms(lock_timeout) if lock_timeout is not None else None,
+            ms(statement_timeout) if statement_timeout is not None else None]
+
+
+class _Support:
+    """Whether the server lacked a feature lately (an SQLSTATE in
+    ``states`` answered a call that used it): for ``retry`` seconds the
+    guard calls without it, then tries it again."""
+
+    def __init__(self, states: Tuple[str, ...], warning: str, retry: float = 60.0):
+        self.states = states
+        self.warning = warning
+        self.retry = retry
+        self.until = 0.0
+
+    def usable(self) -> bool:
+        return time.monotonic() >= self.until
+
+    def refused(self, exc: BaseException, log: Any) -> bool:
+        state = getattr(exc, "sqlstate", None)
+        if state not in self.states:
+            return False
+        if self.usable():
+            log.warning(self.warning + " (%s: %s)", state, str(exc).strip())
+        self.until = time.monotonic() + self.retry
+        return True

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, cast
@@ -20,12 +21,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional, cast
 import psycopg
 from psycopg import pq
 
-from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
-                      Statements, as_response, check_wait, fault_error, interval,
+from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, BeginRow,
+                      Claim, Outcome, Response, Result, Seconds, Statements, StepLog,
+                      as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
-from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport
+from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support
 
 try:
     from psycopg_pool import AsyncConnectionPool
@@ -144,6 +146,7 @@ class AsyncGuard:
         check_wait(wait, wait_for)
         self.wait_for = wait_seconds(wait_for)
         self._wait_for_support = _WaitForSupport()
+        self._phase_support = phase_support()
         self.timeout = seconds(timeout)
         self._source = _AsyncSource(connection, self.timeout)
         self.sql = Statements(schema)
@@ -224,16 +227,29 @@ class AsyncGuard:
                   self.scope if scope is None else scope, wait]
         w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
         offset_s = offset_seconds(self.clock_offset)
+
+        async def call(with_wait: bool) -> BeginRow:
+            p = params + [interval(w)] if with_wait else params
+            extra = (w or 0.0) if with_wait else 0.0
+            if self._phase_support.usable():
+                try:
+                    return BeginRow.of(await self._run(
+                        "begin", self.sql.begin_query(with_wait, True), p, on_row,
+                        offset_s=offset_s, extra=extra), offset_s)
+                except Exception as exc:
+                    if not self._phase_support.refused(exc, log):
+                        raise
+            return BeginRow.of(await self._run(
+                "begin", self.sql.begin_query(with_wait, False), p, on_row,
+                offset_s=offset_s, extra=extra), offset_s)
+
         if w and self._wait_for_support.usable():
             try:
-                row = await self._run("begin", self.sql.begin_wait, params + [interval(w)],
-                                      on_row, offset_s=offset_s, extra=w)
-                return BeginRow.of(row, offset_s)
+                return await call(True)
             except Exception as exc:
                 if not self._wait_for_support.refused(exc):
                     raise
-        row = await self._run("begin", self.sql.begin, params, on_row, offset_s=offset_s)
-        return BeginRow.of(row, offset_s)
+        return await call(False)
 
     async def complete(self, key: str, fingerprint: str, status: int, body: bytes,
                        token: int, *, retention: Seconds = None,
@@ -256,6 +272,65 @@ class AsyncGuard:
             key, token, interval(self.lease if lease is None else lease) or interval(60),
             self.scope if scope is None else scope])
         return row[0]
+
+    async def checkpoint(self, key: str, token: int, phase: str,
+                         data: Optional[bytes] = None, *,
+                         scope: Optional[str] = None) -> None:
+        """idem_checkpoint in its own transaction (AsyncClaim.step calls it)."""
+        await self._run("checkpoint", self.sql.checkpoint,
+                        [key, token, phase, data, self.scope if scope is None else scope])
+
+    async def _step_tx(self, claim: Claim, name: str, fn: Callable[[Any], Any],
+                       conn: Optional[psycopg.AsyncConnection]) -> Any:
+        """AsyncClaim.step_tx: hold, fn(conn), checkpoint, in one transaction.
+        A cancelled step cancels its statement and closes the connection
+        (the transaction rolls back)."""
+        err = fault_error(self.fault, "hold")
+        if err is not None:
+            raise err
+        if conn is not None:
+            return await self._step_tx_on(conn, claim, name, fn)
+        async with self._source.connection() as own:
+            return await self._step_tx_on(own, claim, name, fn)
+
+    async def _idem_call(self, cur: Any, op: str, query: Any, params: list) -> None:
+        b = bounds(None, self.timeout)
+        try:
+            if b is not None:
+                await cur.execute(SET_BOUNDS, b)
+                prev = list(await cur.fetchone())[:2]
+            await cur.execute(query, params)
+            if b is not None:
+                await cur.execute(RESTORE, prev)
+        except psycopg.Error as exc:
+            raise not_found(translate(exc), self.sql.functions[op], self.sql.schema) from exc
+
+    async def _step_tx_on(self, conn: psycopg.AsyncConnection, claim: Claim, name: str,
+                          fn: Callable[[Any], Any]) -> Any:
+        if conn.closed:
+            raise Unavailable("the connection is closed")
+        offset = offset_text(offset_seconds(self.clock_offset))
+        try:
+            async with conn.transaction():
+                async with conn.cursor() as cur:
+                    if offset is not None:
+                        await cur.execute(SET_CLOCK, [offset])
+                    await self._idem_call(cur, "hold", self.sql.hold,
+                                          [claim.key, claim.token, claim.scope])
+                output = fn(conn)
+                if inspect.isawaitable(output):
+                    output = await output
+                data, value = claim._steps.encode(name, output)
+                err = fault_error(self.fault, "checkpoint")
+                if err is not None:
+                    raise err
+                async with conn.cursor() as cur:
+                    await self._idem_call(cur, "checkpoint", self.sql.checkpoint,
+                                          [claim.key, claim.token, name, data, claim.scope])
+        except asyncio.CancelledError:
+            await asyncio.shield(abort_statement(conn))
+            raise
+        return value
 
     async def _release_quietly(self, result: Result, key: str, token: int, scope: str) -> None:
         try:
@@ -282,7 +357,7 @@ class AsyncGuard:
                     result.error, answer.status)
 
     async def do(self, key: str, fingerprint: str,
-                 handler: Callable[[Claim], Awaitable[Any]], *,
+                 handler: Callable[[AsyncClaim], Awaitable[Any]], *,
                  scope: Optional[str] = None, lease: Seconds = None,
                  retention: Seconds = None, wait: Optional[bool] = None,
                  wait_for: Seconds = None,
@@ -326,7 +401,8 @@ class AsyncGuard:
 
         token = cast(int, row.token)  # an executed claim has its token
         result.token = token
-        claim = Claim(key, fingerprint, scope, token)
+        claim = AsyncClaim(key, fingerprint, scope, token, phase=row.phase,
+                           _steps=StepLog(row.phase, row.phase_data), _guard=self)
         hb = None
         if self.heartbeat:
             hb = _AsyncHeartbeat(self, claim, lease)
@@ -341,7 +417,8 @@ class AsyncGuard:
                 result.extends, result.superseded = hb.extends, hb.lost.is_set()
             result.error = exc
             result.failed_step = "handler"
-            if not self.keep_claim_on_error:
+            # a key that holds a checkpoint keeps it for the next holder
+            if not self.keep_claim_on_error and not claim._steps.checkpointed:
                 await asyncio.shield(self._release_quietly(result, key, token, scope))
                 result.error = exc
             if not isinstance(exc, Exception):

@@ -24,33 +24,16 @@ from typing import Any, AsyncIterator, Iterator, Optional, Sequence, cast
 
 import psycopg
 
-from ._common import (BeginRow, Outcome, Response, Seconds, Statements, check_wait,
-                      interval, seconds, wait_seconds)
+from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
+                      Statements, bounds, check_wait, interval, ms, seconds, wait_seconds)
 from .aio import abort_statement
 from .errors import ClaimNotCompleted, not_found, translate
 
-# Bounds for one statement (SET LOCAL; NULL: keep that one), then the
-# values from before.
-_SET_BOUNDS = ("SELECT pg_catalog.current_setting('lock_timeout'),"
-               " pg_catalog.current_setting('statement_timeout'),"
-               " pg_catalog.set_config('lock_timeout', coalesce(%s::text,"
-               " pg_catalog.current_setting('lock_timeout')), true),"
-               " pg_catalog.set_config('statement_timeout', coalesce(%s::text,"
-               " pg_catalog.current_setting('statement_timeout')), true)")
-_RESTORE = ("SELECT pg_catalog.set_config('lock_timeout', %s::text, true),"
-            " pg_catalog.set_config('statement_timeout', %s::text, true)")
+_SET_BOUNDS, _RESTORE, _bounds, _ms = SET_BOUNDS, RESTORE, bounds, ms
 
 
 def _error(exc: BaseException, function: str, st: Statements) -> BaseException:
     return not_found(translate(exc), function, st.schema)
-
-
-def _bounds(lock_timeout: Optional[float], statement_timeout: Optional[float]):
-    """The parameters of _SET_BOUNDS, or None to leave the session's."""
-    if lock_timeout is None and statement_timeout is None:
-        return None
-    return [_ms(lock_timeout) if lock_timeout is not None else None,
-            _ms(statement_timeout) if statement_timeout is not None else None]
 
 
 class Atomic:
@@ -136,10 +119,6 @@ class AsyncAtomic(Atomic):
             raise _error(exc, "idem_complete", self._sql) from exc
         self.completed = True
         return self.expires_at
-
-
-def _ms(value: Seconds) -> str:
-    return "%d" % max(1, round(cast(float, seconds(value)) * 1000))
 
 
 def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,

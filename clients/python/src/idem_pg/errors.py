@@ -76,6 +76,11 @@ class ClaimNotCompleted(IdemError, RuntimeError):
     """The one-transaction helper's block claimed the key but did not call complete()."""
 
 
+class CheckpointUnreadable(IdemError):
+    """A takeover found a checkpoint (phase_data) that is not the JSON
+    object of step outputs the guards store: its steps cannot be resumed."""
+
+
 class InjectedFault(IdemError):
     """Raised by a fault hook (tests and drills), like the Go store's Fault;
     ``sqlstate`` is the code it plays (None: a lost connection)."""

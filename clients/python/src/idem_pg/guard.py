@@ -24,8 +24,9 @@ from typing import Any, Callable, Iterator, Optional, cast
 import psycopg
 from psycopg import pq
 
-from ._common import (NOT_STORED, BeginRow, Claim, Outcome, Response, Result, Seconds,
-                      Statements, as_response, check_wait, fault_error, interval,
+from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Claim,
+                      Outcome, Response, Result, Seconds, Statements, StepLog, _Support,
+                      as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, seconds, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
                      transient)
@@ -68,6 +69,16 @@ class _WaitForSupport:
                         NO_WAIT_FOR_RETRY)
         self.until = time.monotonic() + NO_WAIT_FOR_RETRY
         return True
+
+# The SQLSTATE of an idem_begin that has no phase columns (before 1.4):
+# undefined_column.
+NO_PHASE = ("42703",)
+
+
+def phase_support() -> _Support:
+    return _Support(NO_PHASE, "the server's idem_begin has no phase columns: a takeover "
+                    "runs every step again; ALTER EXTENSION idem UPDATE")
+
 
 _IDLE = pq.TransactionStatus.IDLE
 _IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
@@ -187,6 +198,7 @@ class Guard:
         check_wait(wait, wait_for)
         self.wait_for = wait_seconds(wait_for)
         self._wait_for_support = _WaitForSupport()
+        self._phase_support = phase_support()
         self.timeout = seconds(timeout)
         self._source = _Source(connection, self.timeout)
         self.sql = Statements(schema)
@@ -266,16 +278,27 @@ class Guard:
         # wait=False for one call drops the guard's wait_for, not one given with it
         w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
         offset_s = offset_seconds(self.clock_offset)
+
+        def call(with_wait: bool) -> BeginRow:
+            p = params + [interval(w)] if with_wait else params
+            extra = (w or 0.0) if with_wait else 0.0
+            if self._phase_support.usable():
+                try:
+                    return BeginRow.of(self._run("begin", self.sql.begin_query(with_wait, True),
+                                                 p, offset_s=offset_s, extra=extra), offset_s)
+                except Exception as exc:
+                    if not self._phase_support.refused(exc, log):
+                        raise
+            return BeginRow.of(self._run("begin", self.sql.begin_query(with_wait, False),
+                                         p, offset_s=offset_s, extra=extra), offset_s)
+
         if w and self._wait_for_support.usable():
             try:
-                row = self._run("begin", self.sql.begin_wait, params + [interval(w)],
-                                offset_s=offset_s, extra=w)
-                return BeginRow.of(row, offset_s)
+                return call(True)
             except Exception as exc:
                 if not self._wait_for_support.refused(exc):
                     raise
-        row = self._run("begin", self.sql.begin, params, offset_s=offset_s)
-        return BeginRow.of(row, offset_s)
+        return call(False)
 
     def complete(self, key: str, fingerprint: str, status: int, body: bytes,
                  token: int, *, retention: Seconds = None,
@@ -301,6 +324,58 @@ class Guard:
             key, token, interval(self.lease if lease is None else lease) or interval(60),
             self.scope if scope is None else scope])
         return row[0]
+
+    def checkpoint(self, key: str, token: int, phase: str, data: Optional[bytes] = None, *,
+                   scope: Optional[str] = None) -> None:
+        """idem_checkpoint in its own transaction: ``phase`` finished, with
+        ``data`` (bytes) as its output.  Claim.step calls it."""
+        self._run("checkpoint", self.sql.checkpoint,
+                  [key, token, phase, data, self.scope if scope is None else scope])
+
+    def _step_tx(self, claim: Claim, name: str, fn: Callable[[psycopg.Connection], Any],
+                 conn: Optional[psycopg.Connection]) -> Any:
+        """Claim.step_tx: hold, fn(conn), checkpoint, in one transaction."""
+        err = fault_error(self.fault, "hold")
+        if err is not None:
+            raise err
+        if conn is not None:
+            return self._step_tx_on(conn, claim, name, fn)
+        with self._source.connection() as own:
+            return self._step_tx_on(own, claim, name, fn)
+
+    def _idem_call(self, cur: Any, op: str, query: Any, params: list) -> None:
+        """One idem statement in the step's transaction, under the guard's
+        timeout (restored after it), errors named."""
+        b = bounds(None, self.timeout)
+        try:
+            if b is not None:
+                cur.execute(SET_BOUNDS, b)
+                prev = list(cur.fetchone())[:2]
+            cur.execute(query, params)
+            if b is not None:
+                cur.execute(RESTORE, prev)
+        except psycopg.Error as exc:
+            raise not_found(translate(exc), self.sql.functions[op], self.sql.schema) from exc
+
+    def _step_tx_on(self, conn: psycopg.Connection, claim: Claim, name: str,
+                    fn: Callable[[psycopg.Connection], Any]) -> Any:
+        if conn.closed:
+            raise Unavailable("the connection is closed")
+        offset = offset_text(offset_seconds(self.clock_offset))
+        with conn.transaction():
+            with conn.cursor() as cur:
+                if offset is not None:
+                    cur.execute(SET_CLOCK, [offset])
+                self._idem_call(cur, "hold", self.sql.hold,
+                                [claim.key, claim.token, claim.scope])
+            data, value = claim._steps.encode(name, fn(conn))
+            err = fault_error(self.fault, "checkpoint")
+            if err is not None:
+                raise err
+            with conn.cursor() as cur:
+                self._idem_call(cur, "checkpoint", self.sql.checkpoint,
+                                [claim.key, claim.token, name, data, claim.scope])
+        return value
 
     def lookup(self, key: str, *, scope: Optional[str] = None):
         """idem_lookup (needs the operator grant): a dict, or None."""
@@ -372,7 +447,8 @@ class Guard:
 
         token = cast(int, row.token)  # an executed claim has its token
         result.token = token
-        claim = Claim(key, fingerprint, scope, token)
+        claim = Claim(key, fingerprint, scope, token, phase=row.phase,
+                      _steps=StepLog(row.phase, row.phase_data), _guard=self)
         hb = None
         if self.heartbeat:
             try:
@@ -393,7 +469,8 @@ class Guard:
                 result.extends, result.superseded = hb.extends, hb.lost.is_set()
             result.error = exc
             result.failed_step = "handler"
-            if not self.keep_claim_on_error:
+            # a key that holds a checkpoint keeps it for the next holder
+            if not self.keep_claim_on_error and not claim._steps.checkpointed:
                 self._release_quietly(result, key, token, scope)
                 result.error = exc
             if not isinstance(exc, Exception):
