@@ -224,8 +224,8 @@ check "prometheus is no superuser, a member of no role, and cannot read idem.key
 # Activity: done, replayed, conflicting, in flight, stuck and expired keys,
 # and a call waiting for the transaction that holds a key.
 psql_as postgres >"$work/activity.log" 2>&1 <<'EOF'
-SELECT claimed FROM idem_api.idem_begin('done', 'fp', lease => '1h', retention => '1h');
-SELECT idem_api.idem_complete('done', 'fp', 200, '\x6f6b'::bytea);
+SELECT token FROM idem_api.idem_begin('done', 'fp', lease => '1h', retention => '1h') \gset
+SELECT idem_api.idem_complete('done', 'fp', 200, '\x6f6b'::bytea, token => :token);
 SELECT state FROM idem_api.idem_begin('done', 'fp');
 SELECT state FROM idem_api.idem_begin('done', 'other');
 SELECT claimed FROM idem_api.idem_begin('running', 'fp', lease => '1h', retention => '1h');

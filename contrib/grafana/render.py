@@ -11,7 +11,7 @@ PromQL expressions are evaluated at every scrape, as Prometheus would for
 a range query with a step of one scrape, by the small PromQL subset below
 (selectors with label matchers, rate, increase, sum/max/min/avg by, + - *
 / and numbers); the dashboard's variables are taken as "All", and
-$__rate_interval as RATE_INTERVAL seconds (default 10).  An expression
+$__rate_interval as RATE_INTERVAL seconds (default 20).  An expression
 outside the subset is an error, so the picture shows the dashboard's
 queries and nothing else.  Needs python3-matplotlib (Debian).
 """
@@ -23,7 +23,7 @@ import re
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-RATE_INTERVAL = float(os.environ.get("RATE_INTERVAL", "10"))
+RATE_INTERVAL = float(os.environ.get("RATE_INTERVAL", "20"))
 
 
 # --- PromQL subset -------------------------------------------------------
@@ -359,7 +359,7 @@ def render(samples_path, out, dash_path):
     rows = math.ceil(len(panels) / cols)
     plt.rcParams.update({"font.size": 8, "axes.titlesize": 9,
                          "axes.titleweight": "bold", "legend.fontsize": 7})
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 2.5 * rows + 0.6))
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 3.0 * rows + 0.6))
     for ax, (p, targets) in zip(axes.flat, panels):
         unit = p.get("fieldConfig", {}).get("defaults", {}).get("unit", "short")
         for node, fmt in targets:
@@ -375,17 +375,22 @@ def render(samples_path, out, dash_path):
                 ax.plot(xs, ys, linewidth=1.2, label=legend(fmt, labels))
         ax.set_title(p["title"], loc="left")
         ax.set_ylim(bottom=0)
+        if ax.get_ylim()[1] < 1e-9 or not any(
+                any(math.isfinite(y) and y > 0 for y in line.get_ydata()) for line in ax.lines):
+            ax.set_ylim(0, 1)  # nothing above zero: an axis of 0 to 1, not of 0 to 0.05
         ax.set_xlim(0, xs[-1])
         ax.yaxis.set_major_formatter(FuncFormatter(unit_format(unit)))
         ax.grid(True, linewidth=0.4, alpha=0.5)
-        ax.set_xlabel("seconds into the run", fontsize=7)
+        ax.tick_params(axis="x", labelsize=7)
         if ax.get_legend_handles_labels()[0]:
-            ax.legend(loc="upper left", ncol=2, framealpha=0.85, edgecolor="none")
+            # Below the graph, as Grafana puts it.
+            ax.legend(loc="upper left", bbox_to_anchor=(0, -0.1), ncol=3,
+                      frameon=False, handlelength=1.5, columnspacing=1.2)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     fig.suptitle("%s dashboard (%s): its panels drawn from %d scrapes of prometheus-postgres-exporter, "
-                 "$__rate_interval = %gs" % (dash["title"], os.path.basename(dash_path),
-                                             len(samples.times), RATE_INTERVAL),
+                 "one a second; x: seconds into the run; $__rate_interval = %gs"
+                 % (dash["title"], os.path.basename(dash_path), len(samples.times), RATE_INTERVAL),
                  fontsize=10)
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(out, dpi=90)
