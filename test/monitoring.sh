@@ -168,7 +168,7 @@ EOF
 check "every expression of the dashboard reads only metrics of the queries file, counters through rate()" "$work/refs.log" $?
 "$py" "$top/contrib/grafana/render.py" --metrics "$dash" >"$work/dash_metrics" 2>"$work/dash_metrics.log"
 check "render.py lists the dashboard's metrics" "$work/dash_metrics.log" $?
-[ -s "$work/metrics" ] && [ -s "$work/dash_metrics" ] || finish
+{ [ -s "$work/metrics" ] && [ -s "$work/dash_metrics" ]; } || finish
 
 # 2. A cluster, the documented grants, and something to count.
 command -v pg_config >/dev/null 2>&1 || { check "pg_config on PATH" /dev/null 1; finish; }
@@ -393,7 +393,7 @@ check "the exporter runs every query without error" "$work/scrape_err.log" $?
 # for the database app where it has a datname label.
 : >"$work/types.log"
 while IFS="$(printf '\t')" read -r metric usage labels; do
-	type=$(echo "$usage" | tr 'A-Z' 'a-z')
+	type=$(echo "$usage" | tr '[:upper:]' '[:lower:]')
 	if ! grep -q "^# TYPE $metric $type$" "$work/scrape"; then
 		echo "missing: # TYPE $metric $type" >>"$work/types.log"
 	fi
