@@ -1,7 +1,7 @@
 #!/bin/sh
 # Build with warnings as errors, install, and run every test suite:
-# pg_regress, isolation, TAP, the Go, Python and Node clients' suites and
-# the documentation's code blocks.  As root, the suites run as the user
+# pg_regress, isolation, TAP, the Go, Python and Node clients' suites,
+# the documentation's code blocks, and the monitoring queries and dashboard.  As root, the suites run as the user
 # idemtest, and pg_regress and isolation once more as the user idemcheck
 # (no expected output depends on the user's name).
 # Ends with "N passed, N failed".
@@ -53,11 +53,13 @@ else
 	{ make -s installcheck 2>&1; echo "exit status $?"; } | tee "$log"
 fi
 # The client libraries' suites (clients/*/test.sh), then the
-# documentation's code blocks (test/docs.sh), each against its own
-# throwaway cluster, on the host's PostgreSQL only (the version matrix sets
+# documentation's code blocks (test/docs.sh) and the exporter's queries
+# and the dashboard (test/monitoring.sh), each against its own throwaway
+# cluster, on the host's PostgreSQL only (the version matrix sets
 # IDEM_CLIENTS=no).  Each ends with its own "N passed, N failed" line.
 if [ "${IDEM_CLIENTS:-yes}" != no ]; then
-	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh test/docs.sh; do
+	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh test/docs.sh \
+		test/monitoring.sh; do
 		echo "== $t"
 		{ sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
 	done
