@@ -109,7 +109,7 @@ foreach (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
 }
 ok($ready, 'pgbouncer accepts connections');
 
-# The demo's three scenarios through pgbouncer.
+# The demo's four scenarios through pgbouncer.
 my $down = 'host=127.0.0.1 port='
   . PostgreSQL::Test::Cluster::get_free_port()
   . ' dbname=postgres connect_timeout=2';
@@ -126,7 +126,10 @@ like($out,
 like($out,
 	qr/^scenario 3 OK: .* actual: executed=1 replayed=7 waited=7 errors=0 stock=9 reservations=1 charges=1$/m,
 	'scenario 3 through pgbouncer');
-like($out, qr/^3 of 3 scenarios match the Go tests$/m, 'demo summary');
+like($out,
+	qr/^scenario 4 OK: .* actual: killed=SIGKILL retry=EXECUTED\/failed=none resumed-after=charge skipped=2 run=1 provider-requests=1 charges=1 stock=9 reserves=1 records=1 replay=REPLAYED$/m,
+	'scenario 4 through pgbouncer: resumed after the charge, one charge');
+like($out, qr/^4 of 4 scenarios match /m, 'demo summary');
 
 # A claim, then the server connection that made it is terminated: the
 # complete must run on another server connection, with the token only.
