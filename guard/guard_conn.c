@@ -616,7 +616,18 @@ idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 	}
 	if (PQstatus(conn) == CONNECTION_OK &&
 		PQtransactionStatus(conn) != PQTRANS_IDLE)
-		run_command(conn, "ROLLBACK", 0, NULL, deadline, stop, &ignored);
+	{
+		/*
+		 * The rollback gets a grace of its own: the statement may have
+		 * ended (by the server's timeouts) just before the deadline, and a
+		 * connection given up for a late rollback is lost for nothing.
+		 */
+		struct timespec rollback_deadline;
+
+		idem_guard_time_after(&rollback_deadline, GUARD_CANCEL_GRACE_MS);
+		run_command(conn, "ROLLBACK", 0, NULL,
+					deadline ? &rollback_deadline : NULL, stop, &ignored);
+	}
 	return NULL;
 }
 
