@@ -28,7 +28,10 @@
 #    built against libidem-guard-dev (-lidem_guard -lpq -pthread) runs the
 #    guard against it; Debian's python3 imports idem_pg from
 #    python3-idem-pg (with its py.typed) and runs its Guard against it; the
-#    links of the installed README and doc/*.md lead to installed files;
+#    installed README's Install block, run as written in a database of its
+#    own, gives the role app a secure setup (schema idem_api) that the
+#    Python Guard uses; the links of the installed README and doc/*.md lead
+#    to installed files;
 #    then `make installcheck` of the source tree, as
 #    idemtest, with the chroot's pg_config (pg_regress and isolation suites,
 #    each on its own temporary server; IDEM_DEB_TAP=1 adds the TAP suites).
@@ -470,6 +473,49 @@ EOF
 	[ "$got" = "/usr/lib/python3/dist-packages/idem_pg True EXECUTED REPLAYED calls=1 201 made" ]
 }
 check "python3 imports idem_pg from python3-idem-pg: its Guard executed, then replayed" python_check
+
+# The secure setup as a newcomer makes it: the Install block of the
+# installed README, run as written by psql in a database of its own, then
+# the Python client as the application role, on the schema idem_api.
+secure_check() {
+	local got readme=/usr/share/doc/postgresql-$pgv-idem/README.md
+	awk '/^```sql run$/ && !done { f = 1; next } f && /^```$/ { f = 0; done = 1 } f' \
+		"$root$readme" >"$root/build/install_block.sql"
+	grep -q 'CREATE EXTENSION idem SCHEMA' "$root/build/install_block.sql" ||
+		{ echo "no Install block in $readme"; return 1; }
+	cat >"$root/build/secure_check.py" <<'EOF'
+"""The application role claims, runs and completes through idem_api."""
+import sys
+
+from idem_pg import Guard, Response
+
+calls = []
+
+
+def order(claim):
+    calls.append(claim.key)
+    return Response(201, b"ordered")
+
+
+guard = Guard(sys.argv[1], schema="idem_api")
+r1 = guard.do("deb-secure", "sku=A", order)
+r2 = guard.do("deb-secure", "sku=A", order)
+print(r1.outcome.value, r2.outcome.value, "calls=%d" % len(calls), r2.response.body.decode())
+EOF
+	cat >"$root/build/secure_grant.sql" <<'EOF'
+SELECT has_function_privilege('app', 'idem_api.idem_begin(text, text, interval, interval, text, boolean, interval)', 'EXECUTE');
+EOF
+	got=$(as_idemtest "
+		psql -h $sock -d postgres -X -q -v ON_ERROR_STOP=1 -c 'CREATE ROLE app LOGIN' -c 'CREATE DATABASE app'
+		psql -h $sock -d app -X -q -v ON_ERROR_STOP=1 -f /build/install_block.sql
+		psql -h $sock -d app -X -q -At -f /build/secure_grant.sql
+		cd /tmp && python3 /build/secure_check.py 'host=$sock dbname=app user=app'") ||
+		{ echo "$got"; return 1; }
+	echo "$got"
+	[ "$got" = "t
+EXECUTED REPLAYED calls=1 ordered" ]
+}
+check "the README's Install block as written, then python3-idem-pg as the role app on idem_api" secure_check
 
 # Every relative link of the installed README and doc/*.md leads to a file
 # of the installed packages (the Go and Node clients are not packaged).
