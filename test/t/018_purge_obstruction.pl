@@ -123,11 +123,19 @@ is($ret, 0, 'DROP DATABASE of the database with those settings')
   or diag($err);
 $serializable->query_safe('COMMIT');
 
-# --- 2. LOCK TABLE idem.keys IN SHARE MODE held in one database.
+# --- 2. LOCK TABLE idem.keys IN SHARE MODE held in one database.  Its
+# keys expire 3 s after they are made, under the lock: a purge pass
+# between their insertion and the lock would find nothing to delete yet.
 my $offset = -s $node->logfile;
-$node->safe_psql('locked', expired_keys('l', 30));
 my $locker = session('locked');
+$node->safe_psql('locked', q{
+SELECT count(*) FROM generate_series(1, 30) g,
+	idem_begin('l-' || g, 'f', lease => '1s', retention => '3s');
+});
 $locker->query_safe('BEGIN; LOCK TABLE idem.keys IN SHARE MODE');
+ok( $node->poll_query_until('locked', q{
+SELECT count(*) FROM idem.keys WHERE key LIKE 'l-%' AND expires_at < now()}, '30'),
+	'the locked database\'s keys expire under the lock');
 $node->safe_psql('app', expired_keys('b', 60));
 
 ok(purged('app', 'b'), 'table locked in another database: app is purged');
