@@ -75,8 +75,13 @@ failed=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored
 { grep -q "^exit status 0$" "$log" && ! grep -q "^exit status [1-9]" "$log"; } ||
 	[ "$failed" -gt 0 ] || failed=1
 if [ -f "$log.clients" ]; then
-	cp=$(sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\1/p' "$log.clients" | awk '{n += $1} END {print n + 0}')
-	cf=$(sed -n 's/^\([0-9]*\) passed, \([0-9]*\) failed$/\2/p' "$log.clients" | awk '{n += $1} END {print n + 0}')
+	# Each suite's last count line is its total (a suite may print the
+	# counts of its parts, such as the HTTP conformance runs, before it).
+	counts=$(awk '/^[0-9]+ passed, [0-9]+ failed$/ { last = $1 " " $3 }
+		/^client exit status / { if (last != "") { split(last, c, " "); p += c[1]; f += c[2] } last = "" }
+		END { print p + 0, f + 0 }' "$log.clients")
+	cp=${counts% *}
+	cf=${counts#* }
 	passed=$((passed + cp))
 	failed=$((failed + cf))
 	# A suite that failed without counting its failures still fails.
