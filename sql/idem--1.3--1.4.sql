@@ -313,48 +313,7 @@ RETURNS void
 AS 'MODULE_PATHNAME', 'idem_hold'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
 
-REVOKE ALL ON FUNCTION
-	@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text,
-								pg_catalog.bytea, pg_catalog.text),
-	@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text),
-	@extschema@.idem_evict(pg_catalog.text, pg_catalog.text),
-	@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text),
-	@extschema@.idem_stalled(pg_catalog.interval)
-FROM PUBLIC;
-
-/*
- * What the default privileges of the role running the update gave the new
- * functions is revoked: nobody but the owner has a privilege on them
- * until it grants one.
- */
-DO $$
-DECLARE
-	r record;
-BEGIN
-	FOR r IN
-		SELECT p.oid::pg_catalog.regprocedure AS func, a.grantee
-		  FROM pg_catalog.pg_proc p
-		 CROSS JOIN LATERAL pg_catalog.aclexplode(p.proacl) a
-		 WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY[
-				'@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text, pg_catalog.bytea, pg_catalog.text)'::pg_catalog.regprocedure,
-				'@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text)'::pg_catalog.regprocedure,
-				'@extschema@.idem_evict(pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
-				'@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
-				'@extschema@.idem_stalled(pg_catalog.interval)'::pg_catalog.regprocedure]::pg_catalog.oid[])
-		   AND a.grantee OPERATOR(pg_catalog.<>) p.proowner
-		   AND a.grantee OPERATOR(pg_catalog.<>) 0
-	LOOP
-		EXECUTE pg_catalog.format('REVOKE ALL ON FUNCTION %s FROM %s CASCADE',
-			r.func, r.grantee::pg_catalog.regrole::pg_catalog.text);
-	END LOOP;
-END
-$$;
-
-/*
- * Who waits for what: idem_waits() and its view.  Owner-only, as in a
- * fresh install: whatever the default privileges of the role running the
- * update gave them is revoked.
- */
+/* Who waits for what: idem_waits() and its view. */
 CREATE FUNCTION @extschema@.idem_waits(
 	OUT pid pg_catalog.int4, OUT dbid pg_catalog.oid,
 	OUT scope pg_catalog.text, OUT key pg_catalog.text,
@@ -372,7 +331,20 @@ CREATE VIEW @extschema@.idem_waits AS
 	  LEFT JOIN pg_catalog.pg_database d
 			 ON d.oid OPERATOR(pg_catalog.=) w.dbid;
 
-REVOKE ALL ON FUNCTION @extschema@.idem_waits() FROM PUBLIC;
+/*
+ * The new functions and view are owner-only, as in a fresh install:
+ * PUBLIC's EXECUTE, and whatever the default privileges of the role
+ * running the update gave them, is revoked.
+ */
+REVOKE ALL ON FUNCTION
+	@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text,
+								pg_catalog.bytea, pg_catalog.text),
+	@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text),
+	@extschema@.idem_evict(pg_catalog.text, pg_catalog.text),
+	@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text),
+	@extschema@.idem_stalled(pg_catalog.interval),
+	@extschema@.idem_waits()
+FROM PUBLIC;
 REVOKE ALL ON @extschema@.idem_waits FROM PUBLIC;
 
 DO $$
@@ -381,10 +353,16 @@ DECLARE
 BEGIN
 	FOR r IN
 		SELECT o.object, a.grantee
-		  FROM (SELECT 'FUNCTION @extschema@.idem_waits()' AS object,
+		  FROM (SELECT 'FUNCTION ' OPERATOR(pg_catalog.||) p.oid::pg_catalog.regprocedure::pg_catalog.text AS object,
 					   p.proowner AS owner, p.proacl AS acl
 				  FROM pg_catalog.pg_proc p
-				 WHERE p.oid OPERATOR(pg_catalog.=) '@extschema@.idem_waits()'::pg_catalog.regprocedure
+				 WHERE p.oid OPERATOR(pg_catalog.=) ANY (ARRAY[
+						'@extschema@.idem_checkpoint(pg_catalog.text, pg_catalog.int8, pg_catalog.text, pg_catalog.bytea, pg_catalog.text)'::pg_catalog.regprocedure,
+						'@extschema@.idem_hold(pg_catalog.text, pg_catalog.int8, pg_catalog.text)'::pg_catalog.regprocedure,
+						'@extschema@.idem_evict(pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
+						'@extschema@.idem_force_release(pg_catalog.text, pg_catalog.text, pg_catalog.text)'::pg_catalog.regprocedure,
+						'@extschema@.idem_stalled(pg_catalog.interval)'::pg_catalog.regprocedure,
+						'@extschema@.idem_waits()'::pg_catalog.regprocedure]::pg_catalog.oid[])
 				UNION ALL
 				SELECT 'TABLE @extschema@.idem_waits', c.relowner, c.relacl
 				  FROM pg_catalog.pg_class c
