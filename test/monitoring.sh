@@ -56,6 +56,13 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
+# python3-yaml reads the queries file (as root, installed if missing).
+if ! "$py" -c 'import yaml' 2>/dev/null && [ "$(id -u)" -eq 0 ]; then
+	{ apt-get -o DPkg::Lock::Timeout=600 update -qq &&
+		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
+			--no-install-recommends python3-yaml; } >"$work/apt-yaml.log" 2>&1
+fi
+
 # check NAME LOG STATUS: report the check NAME as passed if STATUS is 0,
 # else as failed with the end of LOG.
 check() {
