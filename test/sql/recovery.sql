@@ -65,13 +65,15 @@ SELECT idem_checkpoint('rp-3', NULL, 'reserve', NULL);
 ROLLBACK;
 SELECT (SELECT qty FROM rp_stock) AS qty, (SELECT count(*) FROM idem.keys WHERE key = 'rp-3') AS keys;
 -- Outside it, a NULL token is refused (ID003), as are a missing key, a
--- token never issued, an empty or NULL phase and data that is too large.
+-- token never issued, an empty, NULL or too long phase and data that is
+-- too large.
 SELECT token AS tok4 FROM idem_begin('rp-4', 'fp') \gset
 SELECT try($$SELECT idem_checkpoint('rp-4', NULL, 'reserve', NULL)$$);
 SELECT try($$SELECT idem_checkpoint('rp-missing', 1, 'reserve', NULL)$$);
 SELECT try($$SELECT idem_checkpoint('rp-4', 9223372036854775807, 'reserve', NULL)$$);
 SELECT try(format($$SELECT idem_checkpoint('rp-4', %s, '', NULL)$$, :tok4));
 SELECT try(format($$SELECT idem_checkpoint('rp-4', %s, NULL, NULL)$$, :tok4));
+SELECT try(format($$SELECT idem_checkpoint('rp-4', %s, repeat('p', 256), NULL)$$, :tok4));
 SET idem.max_body_size = 4;
 SELECT try(format($$SELECT idem_checkpoint('rp-4', %s, 'reserve', '12345')$$, :tok4));
 RESET idem.max_body_size;
