@@ -17,6 +17,7 @@
 
 #include "args.h"
 #include "compat.h"
+#include "idem.h"
 #include "settings.h"
 
 /* ts + span, with the calendar arithmetic of timestamptz + interval. */
@@ -149,4 +150,17 @@ idem_key_for_message(text *key)
 		return text_to_cstring(key);
 	cut = pg_mbcliplen(s, len, 64);
 	return psprintf("%.*s...", cut, s);
+}
+
+/* The error of a call that could not settle in IDEM_MAX_CLAIM_ROUNDS. */
+void
+idem_too_many_rounds(text *key)
+{
+	ereport(ERROR,
+			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
+			 errmsg("could not settle idempotency key \"%s\"",
+					idem_key_for_message(key)),
+			 errdetail("The key changed under %d consecutive attempts.",
+					   IDEM_MAX_CLAIM_ROUNDS),
+			 errhint("Retry the transaction.")));
 }

@@ -22,4 +22,6 @@ extern void idem_check_key(text *key, const char *argname,
 						   bool allow_empty);
 extern char *idem_key_for_message(text *key);
 
+extern void idem_too_many_rounds(text *key) pg_attribute_noreturn();
+
 #endif							/* IDEM_ARGS_H */

@@ -55,12 +55,7 @@ delete_live_row(ControlOp op, const char *what, text *scope, text *key,
 	for (round = 0;; round++)
 	{
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
-			ereport(ERROR,
-					(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-					 errmsg("could not settle idempotency key \"%s\"",
-							idem_key_for_message(key)),
-					 errdetail("The key changed %d times while %s read it.",
-							   IDEM_MAX_CLAIM_ROUNDS, what)));
+			idem_too_many_rounds(key);
 		if (!idem_keytable_read_for_write(&kt, deleted, NULL) ||
 			deleted->expires_at <= now)
 			break;

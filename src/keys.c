@@ -330,19 +330,6 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 }
 
 
-/* The error of a call that could not settle in IDEM_MAX_CLAIM_ROUNDS. */
-static void
-too_many_rounds(text *key)
-{
-	ereport(ERROR,
-			(errcode(ERRCODE_T_R_SERIALIZATION_FAILURE),
-			 errmsg("could not settle idempotency key \"%s\"",
-					idem_key_for_message(key)),
-			 errdetail("The key changed under %d consecutive attempts.",
-					   IDEM_MAX_CLAIM_ROUNDS),
-			 errhint("Retry the transaction.")));
-}
-
 /*
  * The error of a claim whose snapshot predates another claim of the key,
  * or its deletion (by a purge).
@@ -517,7 +504,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 				continue;
 		}
 	}
-	too_many_rounds(kt->key);
+	idem_too_many_rounds(kt->key);
 }
 
 /* scope argument: not NULL, may be empty. */
@@ -899,7 +886,7 @@ write_held_row(const HeldCall *hc, KeyValues *kv)
 		KeyWrite	result;
 
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
-			too_many_rounds(hc->key);
+			idem_too_many_rounds(hc->key);
 		idem_keytable_read_for_write(&kt, &row, hc->op == HELD_COMPLETE ?
 									 CurrentMemoryContext : NULL);
 		switch (check_holder(hc, &row,
