@@ -22,6 +22,11 @@ extern void idem_check_key(text *key, const char *argname,
 						   bool allow_empty);
 extern char *idem_key_for_message(text *key);
 
+/* PostgreSQL 18 spells "does not return" as a prefix, older releases as a suffix. */
+#ifdef pg_noreturn
+extern pg_noreturn void idem_too_many_rounds(text *key);
+#else
 extern void idem_too_many_rounds(text *key) pg_attribute_noreturn();
+#endif
 
 #endif							/* IDEM_ARGS_H */
