@@ -11,6 +11,7 @@
 #include "miscadmin.h"
 
 #include "compat.h"
+#include "purge.h"
 #include "settings.h"
 #include "stats.h"
 #include "waits.h"
@@ -33,6 +34,7 @@ _PG_init(void)
 		return;
 
 	idem_stats_shmem_init();
+	idem_purge_install_hooks();
 	idem_waits_shmem_init();
 	idem_worker_register();
 }

@@ -43,6 +43,7 @@
 #include "miscadmin.h"
 #include "storage/bufmgr.h"
 #include "storage/lmgr.h"
+#include "storage/predicate.h"
 #include "storage/procarray.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
@@ -55,6 +56,7 @@
 #include "args.h"
 #include "citus.h"
 #include "keyrel.h"
+#include "stats.h"
 #include "waits.h"
 
 /* Error context of a wait for another transaction. */
@@ -575,6 +577,7 @@ idem_keytable_insert(KeyTable *kt, KeyValues *kv)
 	HeapTupleHeaderSetSpeculativeToken(tuple->t_data, spec_token);
 	heap_insert(kt->rel, tuple, GetCurrentCommandId(true),
 				HEAP_INSERT_SPECULATIVE, NULL);
+	idem_stats_expiry_note(kv->expires_at);
 	unique = insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
 	if (unique)
 		heap_finish_speculative(kt->rel, &tuple->t_self);
@@ -776,6 +779,8 @@ idem_keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 							  GetCurrentCommandId(true), true, &tmfd,
 							  &index_new_version);
 	error_context_stack = errcb.previous;
+	if (result == TM_Ok)
+		idem_stats_expiry_note(kv->expires_at);
 	if (index_new_version)
 		insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
 	heap_freetuple(tuple);
@@ -868,27 +873,39 @@ idem_keytable_read_phase(KeyTable *kt, KeyRow *row, MemoryContext cxt,
  * it in physical order from *cursor, which is moved past the last row
  * looked at, and reading at most *pages pages (which is decreased by the
  * pages read), so that a table with few expired rows is walked in many
- * short transactions rather than one long one.  *at_end is set if the scan
+ * short transactions rather than one long one.  *at_end is set if the walk
  * reached the end of the table.  A row is deleted only if the version
- * found expired is still the latest and no transaction holds it: the
- * delete never waits.
+ * found expired is visible to the transaction's snapshot, is still the
+ * latest, and no transaction holds it: the delete never waits.
  *
- * The scan reads through a ring of buffers (the bulk-read strategy, as a
+ * *least_left is lowered to the expiry of every version read and left in
+ * place that a transaction may still see or make visible: live ones, those
+ * not yet committed (inserted or deleted), and those the delete skipped,
+ * but not those a committed transaction deleted or replaced.  Reading
+ * every version on the page, not only those the snapshot sees, makes that
+ * a bound also for rows being written while the pass runs (purge.c).
+ *
+ * Pages are read through a ring of buffers (the bulk-read strategy, as a
  * sequential scan of a table larger than a quarter of shared_buffers
  * does), so a pass over a large table does not evict the rest of the
- * cache.
+ * cache; each is pruned first, as a scan does.  Under SERIALIZABLE the
+ * walk takes the relation-level predicate lock a sequential scan takes
+ * and checks each version it reads for conflicts.
  */
 static int64
 purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
-			   BlockNumber *pages, bool *at_end)
+			   BlockNumber *pages, bool *at_end, TimestampTz *least_left)
 {
 	BlockNumber first = ItemPointerGetBlockNumberNoCheck(cursor);
+	OffsetNumber first_offset = ItemPointerGetOffsetNumberNoCheck(cursor);
+	TupleDesc	desc = RelationGetDescr(kt->rel);
 	BlockNumber nblocks;
 	BlockNumber end;
-	ItemPointerData last;
+	BlockNumber blkno;
+	BufferAccessStrategy strategy;
 	Snapshot	snapshot;
-	TableScanDesc scan;
 	int64		n = 0;
+	bool		stopped = false;
 
 	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
@@ -904,42 +921,97 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
-	ItemPointerSet(&last, end - 1, MaxOffsetNumber);
-	/* table_beginscan_tidrange, with the strategy a sequential scan may use */
-	scan = kt->rel->rd_tableam->scan_begin(kt->rel, snapshot, 0, NULL, NULL,
-										   SO_TYPE_TIDRANGESCAN |
-										   SO_ALLOW_PAGEMODE |
-										   SO_ALLOW_STRAT);
-	kt->rel->rd_tableam->scan_set_tidrange(scan, cursor, &last);
-	*at_end = (end == nblocks);
-	while (table_scan_getnextslot_tidrange(scan, ForwardScanDirection, kt->slot))
+	PredicateLockRelation(kt->rel, snapshot);
+	strategy = GetAccessStrategy(BAS_BULKREAD);
+	for (blkno = first; blkno < end && !stopped; blkno++)
 	{
-		ItemPointerData tid = kt->slot->tts_tid;
-		bool		isnull;
+		OffsetNumber expired[MaxHeapTuplesPerPage];
+		TimestampTz expired_at[MaxHeapTuplesPerPage];
+		int			nexpired = 0;
+		Buffer		buf;
+		Page		page;
+		OffsetNumber off;
+		OffsetNumber maxoff;
+		int			i;
 
-		if (DatumGetTimestampTz(slot_getattr(kt->slot, Anum_keys_expires_at,
-											 &isnull)) > now)
-			continue;
-		if (delete_version(kt, &tid, false) == TM_Ok)
-			n++;
-		if (n >= limit)
+		CHECK_FOR_INTERRUPTS();
+		buf = ReadBufferExtended(kt->rel, MAIN_FORKNUM, blkno, RBM_NORMAL,
+								 strategy);
+		heap_page_prune_opt(kt->rel, buf);
+		LockBuffer(buf, BUFFER_LOCK_SHARE);
+		page = BufferGetPage(buf);
+		maxoff = PageGetMaxOffsetNumber(page);
+		off = (blkno == first && first_offset > FirstOffsetNumber) ?
+			first_offset : FirstOffsetNumber;
+		for (; off <= maxoff; off++)
 		{
-			/* The next batch starts after this row. */
-			ItemPointerSet(cursor, ItemPointerGetBlockNumber(&tid),
-						   ItemPointerGetOffsetNumber(&tid) + 1);
-			*at_end = false;
-			end = ItemPointerGetBlockNumber(&tid) + 1;
-			break;
+			ItemId		lp = PageGetItemId(page, off);
+			HeapTupleData tuple;
+			TransactionId dead_after;
+			TimestampTz expires_at;
+			bool		isnull;
+			bool		visible;
+
+			if (!ItemIdIsNormal(lp))
+				continue;
+			tuple.t_data = (HeapTupleHeader) PageGetItem(page, lp);
+			tuple.t_len = ItemIdGetLength(lp);
+			tuple.t_tableOid = RelationGetRelid(kt->rel);
+			ItemPointerSet(&tuple.t_self, blkno, off);
+
+			switch (HeapTupleSatisfiesVacuumHorizon(&tuple, buf, &dead_after))
+			{
+				case HEAPTUPLE_DEAD:
+				case HEAPTUPLE_RECENTLY_DEAD:
+					/* deleted or replaced for good: not a key any more */
+					continue;
+				default:
+					break;
+			}
+			expires_at = DatumGetTimestampTz(heap_getattr(&tuple,
+														  Anum_keys_expires_at,
+														  desc, &isnull));
+			visible = HeapTupleSatisfiesVisibility(&tuple, snapshot, buf);
+			HeapCheckForSerializableConflictOut(visible, kt->rel, &tuple,
+												buf, snapshot);
+			if (!visible || isnull || expires_at > now)
+			{
+				*least_left = Min(*least_left, expires_at);
+				continue;
+			}
+			expired_at[nexpired] = expires_at;
+			expired[nexpired++] = off;
+		}
+		LockBuffer(buf, BUFFER_LOCK_UNLOCK);
+		ReleaseBuffer(buf);
+
+		for (i = 0; i < nexpired; i++)
+		{
+			ItemPointerData tid;
+
+			ItemPointerSet(&tid, blkno, expired[i]);
+			if (delete_version(kt, &tid, false) == TM_Ok)
+				n++;
+			else
+				*least_left = Min(*least_left, expired_at[i]);
+			if (n >= limit)
+			{
+				/* The next batch starts after this row. */
+				ItemPointerSet(cursor, blkno, expired[i] + 1);
+				stopped = true;
+				break;
+			}
 		}
 	}
-	table_endscan(scan);
+	FreeAccessStrategy(strategy);
 	UnregisterSnapshot(snapshot);
+	*at_end = (!stopped && blkno == nblocks);
 	/* The next batch starts after the last page read. */
-	if (n < limit)
-		ItemPointerSet(cursor, end, 0);
-	*pages -= end - first;
+	if (!stopped)
+		ItemPointerSet(cursor, blkno, 0);
+	*pages -= blkno - first;
 	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %lld rows deleted",
-		 RelationGetRelationName(kt->rel), first, end - 1, nblocks,
+		 RelationGetRelationName(kt->rel), first, blkno - 1, nblocks,
 		 (long long) n);
 	return n;
 }
@@ -957,11 +1029,13 @@ static int64 purge_shardid = 0;
  * at, and reading at most IDEM_PURGE_BATCH_PAGES pages (over all the
  * shards it walks, if Citus distributes the table).  *at_end is set if the
  * scan reached the end of the table (of the last shard placed on this
- * node, if Citus distributes it).
+ * node, if Citus distributes it).  *least_left is lowered to the least
+ * expiry left in what was read (see purge_relation), or set to DT_NOBEGIN
+ * (not known) if Citus distributes the table.
  */
 int64
 idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
-					 bool *at_end)
+						  bool *at_end, TimestampTz *least_left)
 {
 	KeyTable	kt;
 	int64		n = 0;
@@ -973,7 +1047,8 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 					   idem_keytable_write_lockmode());
 	if (likely(!idem_keyrel_distributed()))
 	{
-		n = purge_relation(&kt, now, limit, cursor, &pages, at_end);
+		n = purge_relation(&kt, now, limit, cursor, &pages, at_end,
+						   least_left);
 		idem_keytable_close(&kt);
 		return n;
 	}
@@ -997,7 +1072,8 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 			purge_shardid = shard->shardid;
 		}
 		idem_keyrel_switch_shard(&kt, shard->relid);
-		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end);
+		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end,
+							least_left);
 		if (!shard_at_end || n >= limit || pages == 0)
 		{
 			*at_end = false;
@@ -1006,6 +1082,8 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	}
 	if (*at_end)
 		purge_shardid = 0;
+	/* Shards moved here bring rows whose expiry no write noted. */
+	*least_left = DT_NOBEGIN;
 	idem_keytable_close(&kt);
 	return n;
 }

@@ -157,6 +157,7 @@ extern void idem_keytable_current_claimant(KeyClaimant *claimant);
 extern Oid	idem_keytable_claimant_role(KeyClaimant *claimant);
 extern char *idem_keytable_claimant_text(KeyClaimant *claimant);
 extern int64 idem_keytable_purge_batch(TimestampTz now, int limit,
-									   ItemPointer cursor, bool *at_end);
+										ItemPointer cursor, bool *at_end,
+										TimestampTz *least_left);
 
 #endif							/* IDEM_KEYTABLE_H */

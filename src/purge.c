@@ -15,12 +15,33 @@
  * deletes a key changed since its snapshot (the row is left for a later
  * pass).
  *
+ * The background worker skips a pass when nothing can have expired yet: it
+ * keeps, per database in shared memory, a watermark below every key's
+ * expiry (stats.c).  Each write of a key lowers it to the key's expiry;
+ * a pass of the worker that read the whole table and committed its
+ * deletions raises it to the least expiry of the versions it left (live,
+ * uncommitted or skipped), or of keys written while it ran, whichever is
+ * less.  So a pass is skipped, without reading the table, while the
+ * watermark is in the future.  An INSERT, UPDATE or MERGE into the table
+ * and COPY into it make the watermark unknown when they end, so the next
+ * pass reads the table.  Rows that reach the table otherwise (logical
+ * replication, a Citus shard move) do not: a pass reads the table at least
+ * every IDEM_PURGE_FULL_PASS_SECS anyway, after a restart, and always when
+ * Citus distributes the table.  idem_purge() always reads the table.
+ *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
+#include "catalog/namespace.h"
+#include "executor/executor.h"
 #include "fmgr.h"
+#include "nodes/parsenodes.h"
+#include "parser/parsetree.h"
 #include "storage/itemptr.h"
+#include "tcop/utility.h"
+#include "utils/lsyscache.h"
+#include "utils/timestamp.h"
 
 #include "keytable.h"
 #include "purge.h"
@@ -32,6 +53,12 @@ PG_FUNCTION_INFO_V1(idem_purge);
 /* Where this backend's next batch starts; (0,0) is before every row. */
 static ItemPointerData purge_cursor = {{0, 0}, 0};
 
+/* The least expiry left by this backend's pass so far (purge_relation). */
+static TimestampTz pass_least_left = DT_NOEND;
+
+/* This backend's pass, as numbered by idem_stats_expiry_pass_start. */
+static uint32 pass_number = 0;
+
 /*
  * Delete up to limit keys that expired at or before now, walking on from
  * the previous batch; a batch that reaches the end of the table ends the
@@ -42,13 +69,43 @@ int64
 idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
 {
 	bool		at_end;
-	int64		n = idem_keytable_purge_batch(now, limit, &purge_cursor, &at_end);
+	int64		n;
 
+	if (ItemPointerGetBlockNumberNoCheck(&purge_cursor) == 0 &&
+		ItemPointerGetOffsetNumberNoCheck(&purge_cursor) == 0)
+		pass_least_left = DT_NOEND;
+	n = idem_keytable_purge_batch(now, limit, &purge_cursor, &at_end,
+								  &pass_least_left);
 	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);
 	*pass_done = at_end;
 	idem_stats_add(IDEM_STAT_PURGED_ROWS, n);
 	return n;
+}
+
+/*
+ * Start a pass of the background worker over the current database's table,
+ * in its first batch's transaction.  Returns false, and starts nothing, if
+ * the watermark says no key can have expired at or before now.
+ */
+bool
+idem_purge_pass_start(TimestampTz now)
+{
+	if (idem_stats_expiry_after(now, IDEM_PURGE_FULL_PASS_SECS * USECS_PER_SEC))
+		return false;
+	ItemPointerSet(&purge_cursor, 0, 0);
+	pass_number = idem_stats_expiry_pass_start();
+	return true;
+}
+
+/*
+ * The worker's pass reached the end of the table and every batch of it
+ * committed: raise the watermark to what the pass left.
+ */
+void
+idem_purge_pass_end(void)
+{
+	idem_stats_expiry_pass_end(pass_number, pass_least_left);
 }
 
 /*
@@ -88,4 +145,87 @@ idem_purge(PG_FUNCTION_ARGS)
 			break;
 	}
 	PG_RETURN_INT64(total);
+}
+
+/* idem.keys of the current database, if idem is installed; no lock taken. */
+static Oid
+keys_relid(void)
+{
+	Oid			nsp = get_namespace_oid("idem", true);
+
+	return OidIsValid(nsp) ? get_relname_relid("keys", nsp) : InvalidOid;
+}
+
+static ExecutorEnd_hook_type prev_ExecutorEnd = NULL;
+static ProcessUtility_hook_type prev_ProcessUtility = NULL;
+
+/*
+ * At the end of a statement that inserted into or updated idem.keys
+ * through the executor (a plain DELETE cannot lower the watermark), make
+ * the watermark unknown.  After the writes, as idem's own writes note
+ * their expiry after writing: a pass that starts later reads the rows.
+ */
+static void
+purge_ExecutorEnd(QueryDesc *queryDesc)
+{
+	PlannedStmt *stmt = queryDesc->plannedstmt;
+	List	   *results = stmt->resultRelations;
+
+	if (prev_ExecutorEnd)
+		prev_ExecutorEnd(queryDesc);
+	else
+		standard_ExecutorEnd(queryDesc);
+
+	if (results != NIL && (stmt->commandType != CMD_DELETE || stmt->hasModifyingCTE))
+	{
+		Oid			keys = keys_relid();
+		ListCell   *lc;
+
+		foreach(lc, results)
+		{
+			if (OidIsValid(keys) &&
+				rt_fetch(lfirst_int(lc), stmt->rtable)->relid == keys)
+			{
+				idem_stats_expiry_forget();
+				break;
+			}
+		}
+	}
+}
+
+/* After COPY into idem.keys, make the watermark unknown. */
+static void
+purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
+					 bool readOnlyTree, ProcessUtilityContext context,
+					 ParamListInfo params, QueryEnvironment *queryEnv,
+					 DestReceiver *dest, QueryCompletion *qc)
+{
+	Node	   *parsetree = pstmt->utilityStmt;
+
+	if (prev_ProcessUtility)
+		prev_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+							params, queryEnv, dest, qc);
+	else
+		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+								params, queryEnv, dest, qc);
+
+	if (IsA(parsetree, CopyStmt) && ((CopyStmt *) parsetree)->is_from &&
+		((CopyStmt *) parsetree)->relation != NULL)
+	{
+		Oid			relid = RangeVarGetRelid(((CopyStmt *) parsetree)->relation,
+											 NoLock, true);
+
+		if (OidIsValid(relid) && relid == keys_relid())
+			idem_stats_expiry_forget();
+	}
+}
+
+/* Watch for writes to idem.keys past idem's functions (shared_preload_libraries). */
+void
+idem_purge_install_hooks(void)
+{
+	prev_ExecutorEnd = ExecutorEnd_hook;
+	ExecutorEnd_hook = purge_ExecutorEnd;
+	prev_ProcessUtility = ProcessUtility_hook;
+	ProcessUtility_hook = purge_ProcessUtility;
 }

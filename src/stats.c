@@ -32,6 +32,7 @@
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
+#include "storage/spin.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
@@ -71,6 +72,20 @@ typedef struct IdemDbStats
 	TimestampTz last_purge;		/* 0: never; under lock */
 	TimestampTz stats_reset;	/* slot taken or counters reset; under lock */
 	char		last_error[IDEM_STATS_ERROR_LEN];	/* UTF-8; under lock */
+
+	/*
+	 * Purge's watermark (see purge.c), as expiry_key values: no key of the
+	 * database expires before min_expiry (0: not known).  Every write of a
+	 * key lowers pass_min and then min_expiry to its expiry; a purge pass
+	 * starts pass_min afresh and, at its end, sets min_expiry to the least
+	 * expiry it left plus pass_min, unless another pass started meanwhile.
+	 * Not kept across restarts: the first pass after one reads the table.
+	 */
+	pg_atomic_uint64 min_expiry;
+	pg_atomic_uint64 pass_min;
+	slock_t		pass_mutex;
+	uint32		pass_gen;		/* under pass_mutex */
+	TimestampTz expiry_known_at;	/* when min_expiry was set; under pass_mutex */
 } IdemDbStats;
 
 /* A slot as the stats file keeps it. */
@@ -125,6 +140,47 @@ stats_shmem_request(void)
 	RequestNamedLWLockTranche("idem", 1);
 }
 
+/*
+ * A timestamp as an unsigned number of the same order, for the atomic
+ * minimum of the watermark: DT_NOBEGIN is 0, DT_NOEND the greatest.
+ */
+static inline uint64
+expiry_key(TimestampTz ts)
+{
+	return (uint64) ts ^ (UINT64CONST(1) << 63);
+}
+
+static inline TimestampTz
+expiry_of_key(uint64 key)
+{
+	return (TimestampTz) (key ^ (UINT64CONST(1) << 63));
+}
+
+/* Lower *v to key unless it is lower already. */
+static void
+atomic_lower(pg_atomic_uint64 *v, uint64 key)
+{
+	uint64		cur = pg_atomic_read_u64(v);
+
+	while (key < cur)
+	{
+		if (pg_atomic_compare_exchange_u64(v, &cur, key))
+			break;
+	}
+}
+
+/* Make a slot's watermark unknown, as a slot just taken has it. */
+static void
+expiry_forget(IdemDbStats *slot)
+{
+	SpinLockAcquire(&slot->pass_mutex);
+	slot->pass_gen++;
+	pg_atomic_write_u64(&slot->min_expiry, 0);
+	pg_atomic_write_u64(&slot->pass_min, 0);
+	slot->expiry_known_at = 0;
+	SpinLockRelease(&slot->pass_mutex);
+}
+
 /* Zero a slot's counters and purge record; the caller owns the slot. */
 static void
 slot_clear(IdemDbStats *slot)
@@ -166,6 +222,9 @@ stats_shmem_startup(void)
 			for (j = 0; j < IDEM_STAT_NUM; j++)
 				pg_atomic_init_u64(&stats->dbs[i].counters[j], 0);
 			pg_atomic_init_u64(&stats->dbs[i].start_failures, 0);
+			pg_atomic_init_u64(&stats->dbs[i].min_expiry, 0);
+			pg_atomic_init_u64(&stats->dbs[i].pass_min, 0);
+			SpinLockInit(&stats->dbs[i].pass_mutex);
 		}
 		stats_load();
 	}
@@ -349,6 +408,7 @@ find_or_take_slot(Oid dboid)
 	if (slot != NULL && pg_atomic_read_u32(&slot->dboid) != dboid)
 	{
 		slot->stats_reset = GetCurrentTimestamp();
+		expiry_forget(slot);
 		pg_atomic_write_u32(&slot->dboid, dboid);
 	}
 	LWLockRelease(stats->lock);
@@ -372,6 +432,18 @@ my_slot(void)
 	no_slot = (slot == NULL);
 	no_slot_frees = frees;
 	return slot;
+}
+
+/* The current database's slot, looked up once; NULL without one. */
+static IdemDbStats *
+current_slot(void)
+{
+	if (stats == NULL)
+		return NULL;
+	if (my_db_stats == NULL ||
+		pg_atomic_read_u32(&my_db_stats->dboid) != MyDatabaseId)
+		my_db_stats = my_slot();
+	return my_db_stats;
 }
 
 /*
@@ -526,16 +598,115 @@ error_to_text(const char *error)
 void
 idem_stats_add(IdemStat stat, uint64 n)
 {
-	if (stats == NULL)
+	IdemDbStats *slot = current_slot();
+
+	if (slot != NULL)
+		pg_atomic_fetch_add_u64(&slot->counters[stat], n);
+}
+
+/*
+ * A key of the current database was written (inserted or updated) with
+ * this expiry: lower purge's watermark to it.  Called after the heap
+ * write, so that a pass either reads the row or finds the expiry in
+ * pass_min.  Costs two atomic reads when the expiry is later than both,
+ * as almost every new expiry is.
+ */
+void
+idem_stats_expiry_note(TimestampTz expires_at)
+{
+	uint64		key = expiry_key(expires_at);
+	IdemDbStats *slot = current_slot();
+
+	if (slot == NULL)
 		return;
-	if (my_db_stats == NULL ||
-		pg_atomic_read_u32(&my_db_stats->dboid) != MyDatabaseId)
+	/* The row is on its page before the watermark is read (see above). */
+	pg_memory_barrier();
+	atomic_lower(&slot->pass_min, key);
+	atomic_lower(&slot->min_expiry, key);
+}
+
+/*
+ * Keys of the current database were written other than through idem's
+ * functions (see purge.c): the watermark is not known until a pass has
+ * read the table, and a pass under way does not set it.
+ */
+void
+idem_stats_expiry_forget(void)
+{
+	IdemDbStats *slot = current_slot();
+
+	if (slot != NULL)
+		expiry_forget(slot);
+}
+
+/*
+ * Whether no key of the current database expires at or before now,
+ * according to a watermark set at most max_age ago by a pass that read
+ * the whole table.
+ */
+bool
+idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
+{
+	IdemDbStats *slot;
+	bool		after;
+
+	if ((slot = current_slot()) == NULL)
+		return false;
+	SpinLockAcquire(&slot->pass_mutex);
+	after = slot->expiry_known_at != 0 &&
+		now - slot->expiry_known_at < max_age &&
+		expiry_of_key(pg_atomic_read_u64(&slot->min_expiry)) > now;
+	SpinLockRelease(&slot->pass_mutex);
+	return after;
+}
+
+/*
+ * A purge pass over the current database's whole table starts: returns
+ * the number to give idem_stats_expiry_pass_end.
+ */
+uint32
+idem_stats_expiry_pass_start(void)
+{
+	IdemDbStats *slot;
+	uint32		gen;
+
+	if ((slot = current_slot()) == NULL)
+		return 0;
+	SpinLockAcquire(&slot->pass_mutex);
+	gen = ++slot->pass_gen;
+	pg_atomic_exchange_u64(&slot->pass_min, PG_UINT64_MAX);
+	SpinLockRelease(&slot->pass_mutex);
+	return gen;
+}
+
+/*
+ * The pass that idem_stats_expiry_pass_start numbered gen read the whole
+ * table, committed its deletions, and left no key that expires before
+ * least_left (DT_NOBEGIN: not known) in what it read.  Keys written since
+ * it started are in pass_min: set the watermark to the lesser, unless
+ * another pass started meanwhile.  A write that lowered min_expiry before
+ * this sets it had lowered pass_min before that: the second look at
+ * pass_min lowers the watermark again.
+ */
+void
+idem_stats_expiry_pass_end(uint32 gen, TimestampTz least_left)
+{
+	IdemDbStats *slot;
+	TimestampTz now = GetCurrentTimestamp();
+
+	if ((slot = current_slot()) == NULL)
+		return;
+	SpinLockAcquire(&slot->pass_mutex);
+	if (slot->pass_gen == gen && least_left != DT_NOBEGIN)
 	{
-		my_db_stats = my_slot();
-		if (my_db_stats == NULL)
-			return;
+		uint64		key = Min(expiry_key(least_left),
+							  pg_atomic_read_u64(&slot->pass_min));
+
+		pg_atomic_exchange_u64(&slot->min_expiry, key);
+		atomic_lower(&slot->min_expiry, pg_atomic_read_u64(&slot->pass_min));
+		slot->expiry_known_at = now;
 	}
-	pg_atomic_fetch_add_u64(&my_db_stats->counters[stat], n);
+	SpinLockRelease(&slot->pass_mutex);
 }
 
 /* Start timing a call, if the counters are collected. */
@@ -662,6 +833,7 @@ idem_stats_forget(Oid dboid)
 	if ((slot = find_slot(dboid)) != NULL)
 	{
 		slot_clear(slot);
+		expiry_forget(slot);
 		pg_atomic_write_u32(&slot->dboid, InvalidOid);
 		pg_atomic_fetch_add_u32(&stats->frees, 1);
 	}

@@ -47,6 +47,11 @@ extern void idem_stats_prepare_encoding(void);
 extern void idem_stats_purge_done(Oid dboid, const char *error);
 extern void idem_stats_purge_skipped(Oid dboid, const char *reason);
 extern uint64 idem_stats_start_failed(Oid dboid, const char *reason);
+extern void idem_stats_expiry_note(TimestampTz expires_at);
+extern void idem_stats_expiry_forget(void);
+extern bool idem_stats_expiry_after(TimestampTz now, TimestampTz max_age);
+extern uint32 idem_stats_expiry_pass_start(void);
+extern void idem_stats_expiry_pass_end(uint32 gen, TimestampTz least_left);
 extern int	idem_stats_databases(Oid *oids);
 extern void idem_stats_forget(Oid dboid);
 

@@ -742,6 +742,13 @@ purge_batch(int batch_size)
 		purge_report(VISIT_PURGING);
 		/* Errors are recorded after their transaction aborted. */
 		idem_stats_prepare_encoding();
+		/* Nothing expired yet: the pass ends without reading the table. */
+		if (!idem_purge_pass_start(idem_now()))
+		{
+			CommitTransactionCommand();
+			purge_batches++;
+			return BATCH_LAST;
+		}
 	}
 	PushActiveSnapshot(GetTransactionSnapshot());
 
@@ -749,6 +756,8 @@ purge_batch(int batch_size)
 	n = idem_purge_batch(idem_now(), batch_size, &pass_done);
 	PopActiveSnapshot();
 	CommitTransactionCommand();
+	if (pass_done)
+		idem_purge_pass_end();
 	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 

@@ -83,8 +83,16 @@ ok($node->poll_query_until('app3', "SELECT count(*) FROM idem.keys WHERE key LIK
 is(count_keys('app3', 'c-live-%'), '5', 'live keys kept in app3');
 
 # The per-database worker, caught waiting for a lock on the key table.
+# The locking transaction writes keys that expired (a pass with nothing
+# expired does not open the table).
 my $locker = $node->background_psql('app1');
-$locker->query_safe('BEGIN; LOCK TABLE idem.keys IN ACCESS EXCLUSIVE MODE');
+$locker->query_safe(q{
+BEGIN;
+LOCK TABLE idem.keys IN ACCESS EXCLUSIVE MODE;
+SET LOCAL idem.clock_offset = '-1h';
+SELECT count(*) FROM generate_series(1, 10) g,
+	idem_begin('d-old-' || g, 'f', lease => '1s', retention => '1s');
+});
 ok( $node->poll_query_until(
 		'postgres', q{
 SELECT count(*) FROM pg_stat_activity
