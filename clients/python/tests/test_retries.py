@@ -2,6 +2,7 @@
 runs again, claim included; any other error surfaces at once."""
 
 import asyncio
+import threading
 import time
 
 import psycopg
@@ -194,6 +195,51 @@ def test_retry_transaction():
     wrapped = RuntimeError("order failed")
     wrapped.__cause__ = psycopg.errors.SerializationFailure()
     assert retry_transaction(wrapped)
+
+
+def test_real_serialization_failure(dsn, db):
+    # Two SERIALIZABLE transactions each read that two are on call and take
+    # one off: PostgreSQL fails one (40001), whose retry reads one left and
+    # refuses.
+    db.execute("""
+        DROP TABLE IF EXISTS py_oncall;
+        CREATE TABLE py_oncall (name text PRIMARY KEY, on_call boolean NOT NULL);
+        INSERT INTO py_oncall VALUES ('a', true), ('b', true)""")
+    both_read = threading.Barrier(2, timeout=30)
+    attempts, answers, errors = [], {}, []
+
+    def off_call(name):
+        try:
+            with psycopg.connect(dsn, options="-c default_transaction_isolation=serializable") as conn:
+                key = new_key("off-" + name)
+                for attempt in atomic(conn, key, FP, retries=5):
+                    with attempt as tx:
+                        attempts.append(name)
+                        on = conn.execute("SELECT count(*) FROM py_oncall WHERE on_call").fetchone()[0]
+                        if attempt.number == 1:      # the first attempts both read before either writes
+                            try:
+                                both_read.wait()
+                            except threading.BrokenBarrierError:
+                                pass
+                        if on < 2:
+                            tx.complete(409, b"last on call")
+                        else:
+                            conn.execute("UPDATE py_oncall SET on_call = false WHERE name = %s", [name])
+                            tx.complete(200, b"off call")
+                answers[name] = (tx.outcome, key)
+        except Exception as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=off_call, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert errors == [] and sorted(answers) == ["a", "b"]
+    assert all(outcome is Outcome.EXECUTED for outcome, _ in answers.values())
+    assert sorted(lookup(db, key)["status"] for _, key in answers.values()) == [200, 409]
+    assert len(attempts) >= 3                        # one of them ran again
+    assert db.execute("SELECT count(*) FROM py_oncall WHERE on_call").fetchone()[0] == 1
 
 
 @pytest.mark.parametrize("code", ["40001", "40P01"])

@@ -210,6 +210,9 @@ class Attempt:
         self._cm = self._open()
         return self._cm
 
+    def _again(self, exc: BaseException) -> bool:
+        return self._retries.again(exc, self._conn, self._fresh)
+
     def __enter__(self) -> Atomic:
         return self._enter().__enter__()
 
@@ -218,10 +221,10 @@ class Attempt:
             if self._cm.__exit__(typ, exc, tb):
                 return True
         except BaseException as err:  # the COMMIT's, or raised in place of exc
-            if not self._retries.again(err, self._conn, self._fresh):
+            if not self._again(err):
                 raise
             return True
-        return exc is not None and self._retries.again(exc, self._conn, self._fresh)
+        return exc is not None and self._again(exc)
 
 
 class AsyncAttempt(Attempt):
@@ -236,10 +239,10 @@ class AsyncAttempt(Attempt):
             if await self._cm.__aexit__(typ, exc, tb):
                 return True
         except BaseException as err:
-            if not self._retries.again(err, self._conn, self._fresh):
+            if not self._again(err):
                 raise
             return True
-        return exc is not None and self._retries.again(exc, self._conn, self._fresh)
+        return exc is not None and self._again(exc)
 
 
 def _unentered(attempt: Attempt) -> None:
