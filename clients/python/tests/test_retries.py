@@ -209,14 +209,16 @@ def test_real_serialization_failure(dsn, db):
     attempts, answers, errors = [], {}, []
 
     def off_call(name):
+        serializable = "-c default_transaction_isolation=serializable"
         try:
-            with psycopg.connect(dsn, options="-c default_transaction_isolation=serializable") as conn:
+            with psycopg.connect(dsn, options=serializable) as conn:
                 key = new_key("off-" + name)
                 for attempt in atomic(conn, key, FP, retries=5):
                     with attempt as tx:
                         attempts.append(name)
-                        on = conn.execute("SELECT count(*) FROM py_oncall WHERE on_call").fetchone()[0]
-                        if attempt.number == 1:      # the first attempts both read before either writes
+                        on = conn.execute("SELECT count(*) FROM py_oncall"
+                                          " WHERE on_call").fetchone()[0]
+                        if attempt.number == 1:  # both first attempts read before either writes
                             try:
                                 both_read.wait()
                             except threading.BrokenBarrierError:
@@ -224,7 +226,8 @@ def test_real_serialization_failure(dsn, db):
                         if on < 2:
                             tx.complete(409, b"last on call")
                         else:
-                            conn.execute("UPDATE py_oncall SET on_call = false WHERE name = %s", [name])
+                            conn.execute("UPDATE py_oncall SET on_call = false"
+                                         " WHERE name = %s", [name])
                             tx.complete(200, b"off call")
                 answers[name] = (tx.outcome, key)
         except Exception as exc:  # noqa: BLE001 - reported below
