@@ -72,6 +72,16 @@ export interface GuardOptions {
    * the key before a TimeoutError of code 55P03 (default: the whole budget, timeout + waitFor).
    */
   lockTimeout?: number | null;
+  /**
+   * transaction() only: run the transaction again, up to this many more times, when it fails
+   * with a serialization failure (40001) or a deadlock (40P01), from the handler, the claim,
+   * idem_complete or the COMMIT (default 0: once).  Each attempt is a new transaction, the claim
+   * included; the wait between two is random, from 0 to 10 ms doubled for each retry, at most
+   * 1 s, and no attempt starts later than timeout after the first.  The handler must be safe to
+   * run again: its only effects must be its statements on claim.client.  The middleware's
+   * transactional mode does not retry.
+   */
+  retries?: number;
 }
 
 export interface Logger {
@@ -195,6 +205,8 @@ export interface TransactionClaim {
   leaseUntil: Date;
   /** The caller's client, inside the transaction: run the business writes on it. */
   client: ClientBase;
+  /** The attempt, from 1 (options.retries runs the transaction again after 40001 or 40P01). */
+  attempt: number;
 }
 
 export interface TransactionResult {
@@ -211,7 +223,8 @@ export interface TransactionResult {
 
 /**
  * BEGIN, claim, handler (business writes), store the response, COMMIT, on the caller's idle client.
- * Rejects after ROLLBACK with the handler's error or an idem error.
+ * Rejects after ROLLBACK with the handler's error or an idem error; with options.retries, runs
+ * again first after 40001 or 40P01.
  */
 export declare function transaction(client: ClientBase, key: string, fingerprint: string,
   handler: (claim: TransactionClaim) => Response | Promise<Response>, options?: GuardOptions): Promise<TransactionResult>;
@@ -371,3 +384,5 @@ export declare function toIdemError(err: unknown): IdemError;
 export declare function isDatabaseError(err: unknown): boolean;
 /** True for a failure a retry of the same call may not repeat (no SQLSTATE, 08xxx, 40001, 40P01, 55P03, 57014, 57P01-57P03, 53xxx). */
 export declare function isTransient(err: unknown): boolean;
+/** True for a serialization failure (40001) or a deadlock (40P01), the error or its cause: the transaction is to run again. */
+export declare function isRetryableTransaction(err: unknown): boolean;

@@ -5,7 +5,7 @@
 // statically).
 const {
   IdemError, FingerprintMismatchError, TokenSupersededError, NoClaimError, AlreadyCompletedError,
-  UnavailableError, TimeoutError, toIdemError, isDatabaseError, isTransient,
+  UnavailableError, TimeoutError, toIdemError, isDatabaseError, isTransient, isRetryableTransaction,
 } = require('./lib/errors');
 const { Store } = require('./lib/store');
 const { Guard, Outcome, failTimes } = require('./lib/guard');
@@ -37,4 +37,5 @@ module.exports = {
   toIdemError,
   isDatabaseError,
   isTransient,
+  isRetryableTransaction,
 };

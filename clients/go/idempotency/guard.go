@@ -63,6 +63,13 @@ type Guard struct {
 	// response the store refused, with NotStoredResponse stored in its
 	// place.  nil: log.Printf.
 	Logf func(format string, args ...interface{})
+
+	// TxRetries makes DoTx run its transaction again, up to this many more
+	// times, when it fails with a serialization failure (40001) or a
+	// deadlock (40P01), the two errors after which PostgreSQL (and Citus)
+	// ask for the transaction to run again.  0 (the default) runs it once.
+	// See DoTx.
+	TxRetries int
 }
 
 func (g *Guard) now() time.Time {

@@ -496,11 +496,40 @@ func (s *PostgresStore) checkpointRow(ctx context.Context, q querier, key string
 // A retry waits for a claim that is not yet committed in any case; with
 // WaitFor, it also waits up to WaitFor for a committed claim in flight (one
 // that Do made), as Do does.
+//
+// With TxRetries > 0, a transaction that fails with a serialization
+// failure (40001) or a deadlock (40P01) runs again, as a new transaction,
+// up to TxRetries more times: from the claim (which the rollback undid
+// with fn's writes, so the key is claimed again, or replayed if another
+// caller completed it meanwhile), through fn, to the commit.  An error
+// from the claim, fn (wrapped or not: errors.As finds the
+// *pgconn.PgError), the complete or the COMMIT counts; PostgreSQL rolls a
+// transaction back when it answers COMMIT with 40001 or 40P01, so nothing
+// of it was committed.  An error without a SQLSTATE (a lost connection, a
+// commit cut off, whose result is unknown) or with any other SQLSTATE is
+// never retried.  Between attempts DoTx sleeps a random time between 0 and
+// 10 ms doubled for each retry, at most 1 s ("full jitter"); it gives up,
+// returning the last error, when ctx is done or its deadline would pass
+// during that sleep.  The last attempt's result is returned.  fn must be
+// safe to run again in a new transaction: its only effects must be its
+// statements on tx, which the rollback undoes (no call to another system,
+// no message sent).
 func (g *Guard) DoTx(ctx context.Context, key, fingerprint string, fn func(context.Context, pgx.Tx) (Response, error)) (Response, Outcome, error) {
 	s, ok := g.Store.(*PostgresStore)
 	if !ok {
 		return Response{}, Unavailable, fmt.Errorf("%w: DoTx needs a *PostgresStore", ErrUnavailable)
 	}
+	for retry := 0; ; retry++ {
+		resp, out, err := g.doTx(ctx, s, key, fingerprint, fn)
+		if err == nil || retry >= g.TxRetries || !retryableTx(err) || !txBackoff(ctx, retry) {
+			return resp, out, err
+		}
+	}
+}
+
+// doTx is one attempt of DoTx: one transaction, rolled back unless it
+// commits.
+func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint string, fn func(context.Context, pgx.Tx) (Response, error)) (Response, Outcome, error) {
 	now := g.now()
 	if err := s.fault("begin"); err != nil {
 		return Response{}, Unavailable, unavailable(err)

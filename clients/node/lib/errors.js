@@ -78,6 +78,20 @@ function isTransient(err) {
     ['40001', '40P01', '55P03', '57014', '57P01', '57P02', '57P03'].includes(code);
 }
 
+/** The SQLSTATEs after which PostgreSQL (and Citus) ask for the transaction to run again. */
+const RETRY_TRANSACTION_CODES = new Set(['40001', '40P01']);
+
+/**
+ * True for a serialization failure (40001) or a deadlock (40P01), the
+ * error itself or its cause: the server rolled the transaction back and
+ * asks for it to run again.
+ */
+function isRetryableTransaction(err) {
+  if (err == null || typeof err !== 'object') return false;
+  const code = typeof err.code === 'string' ? err.code : (err.cause != null ? err.cause.code : null);
+  return RETRY_TRANSACTION_CODES.has(code);
+}
+
 /**
  * SQLSTATEs of an idem_complete refused because the key is no longer the
  * caller's (superseded, no claim, another role's claim) or is stored
@@ -106,5 +120,6 @@ module.exports = {
   toIdemError,
   isDatabaseError,
   isTransient,
+  isRetryableTransaction,
   storesNotStored,
 };

@@ -314,8 +314,9 @@ function idempotency(poolOrGuard, options = {}) {
     // A retry waits for the first request's transaction (its claim is
     // uncommitted: idem_begin's wait_for, for committed claims, does not
     // apply) up to waitFor, then answers 409; waitFor 0: 409 at once.  The
-    // claim's budget is the guard's: timeout + waitFor.
-    const o = { ...guard.options, ...overrides, scope: sc, waitFor: 0 };
+    // claim's budget is the guard's: timeout + waitFor.  No retries: the
+    // route's handlers cannot run twice for one request.
+    const o = { ...guard.options, ...overrides, scope: sc, waitFor: 0, retries: 0 };
     if (o.timeout > 0) o.timeout += waitFor;
     if (waitFor > 0) o.lockTimeout = waitFor;
     else o.wait = false;

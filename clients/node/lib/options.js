@@ -15,6 +15,7 @@ const DEFAULTS = Object.freeze({
   waitFor: 0, // ms a duplicate waits in the server for a committed claim's answer; 0: none
   timeout: 10000, // ms per server call, enforced by the server; 0: none
   lockTimeout: null, // ms transaction()'s claim waits for another transaction's uncommitted claim; null: its whole budget
+  retries: 0, // transaction() only: times it runs again after 40001 or 40P01
   keepClaimOnError: false,
   heartbeat: false, // true: extend every lease/3; a number: every that many ms
   clockOffset: 0, // seconds (tests, superuser): SET LOCAL idem.clock_offset
@@ -36,6 +37,7 @@ function normalizeOptions(options) {
     throw new TypeError('lockTimeout must be a number of milliseconds > 0, or null');
   }
   if (o.lockTimeout != null) o.lockTimeout = Math.round(o.lockTimeout);
+  if (!Number.isInteger(o.retries) || o.retries < 0) throw new TypeError('retries must be an integer >= 0');
   if (o.waitFor > 0 && o.wait === false) throw new TypeError('waitFor needs wait: true (a duplicate that does not wait cannot wait for an answer)');
   if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
   intervalParam(o.lease, 'lease');

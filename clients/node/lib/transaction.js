@@ -1,9 +1,17 @@
 'use strict';
 
-const { IdemError, toIdemError, storesNotStored } = require('./errors');
+const { IdemError, toIdemError, storesNotStored, isRetryableTransaction } = require('./errors');
 const { Store } = require('./store');
 const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
+
+/**
+ * The wait between two attempts of transaction() with options.retries, in
+ * ms: a random time from 0 to RETRY_BASE_MS doubled for each retry, at
+ * most RETRY_CAP_MS ("full jitter").
+ */
+const RETRY_BASE_MS = 10;
+const RETRY_CAP_MS = 1000;
 
 /**
  * The one-transaction pattern on the caller's client: BEGIN, claim the
@@ -35,12 +43,42 @@ const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
  * The client must be idle (not inside a transaction).  The timeout applies
  * to idem_begin and idem_complete; statement_timeout and lock_timeout are
  * restored for the handler's statements.
+ *
+ * options.retries (default 0): run the transaction again, up to that many
+ * more times, when it fails with a serialization failure (40001) or a
+ * deadlock (40P01), from the handler, the claim, idem_complete or the
+ * COMMIT (PostgreSQL rolls a transaction back when it answers COMMIT with
+ * either).  Each attempt is a new transaction: BEGIN, the claim again (the
+ * failed attempt's was rolled back with the handler's writes; a retry may
+ * now replay what another caller stored), the handler (claim.attempt
+ * counts from 1), idem_complete, COMMIT.  Any other error, or one without
+ * a SQLSTATE (a lost connection: the COMMIT's result is unknown), rejects
+ * at once, as does the last attempt's error.  Between attempts it waits a
+ * random time from 0 to 10 ms, doubled for each retry, at most 1 s; no
+ * attempt starts later than options.timeout after the first began.  The
+ * handler must be safe to run again: its only effects must be its
+ * statements on claim.client, which the rollback undoes.
  */
 async function transaction(client, key, fingerprint, handler, options) {
   if (client == null || typeof client.query !== 'function') throw new TypeError('transaction needs a pg client');
   if (typeof key !== 'string' || typeof fingerprint !== 'string') throw new TypeError('key and fingerprint must be strings');
   if (typeof handler !== 'function') throw new TypeError('handler must be a function');
   const o = normalizeOptions(options);
+  const started = Date.now();
+  for (let attempt = 1; ; attempt++) {
+    try {
+      return await attemptTransaction(client, key, fingerprint, handler, o, attempt);
+    } catch (err) {
+      if (attempt > o.retries || !isRetryableTransaction(err)) throw err;
+      const delay = Math.random() * Math.min(RETRY_CAP_MS, RETRY_BASE_MS * 2 ** (attempt - 1));
+      if (o.timeout > 0 && Date.now() + delay - started > o.timeout) throw err;
+      await new Promise((resolve) => setTimeout(resolve, delay));
+    }
+  }
+}
+
+/** One transaction of transaction(): ROLLBACK unless it commits. */
+async function attemptTransaction(client, key, fingerprint, handler, o, attempt) {
   const store = new Store({ schema: o.schema });
   const q = async (text, values) => {
     try {
@@ -87,7 +125,7 @@ async function transaction(client, key, fingerprint, handler, options) {
       return { outcome: Outcome.IN_FLIGHT, ...none, leaseUntil: row.leaseUntil ?? null };
     }
 
-    const claim = { key, fingerprint, scope: o.scope, token: row.token, leaseUntil: row.leaseUntil, client };
+    const claim = { key, fingerprint, scope: o.scope, token: row.token, leaseUntil: row.leaseUntil, client, attempt };
     const response = normalizeResponse(await handler(claim));
     // The handler's statements are done: the complete gets the timeout, and
     // a savepoint to fall back to if the response cannot be stored.

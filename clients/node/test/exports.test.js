@@ -9,7 +9,8 @@ const { pathToFileURL } = require('node:url');
 
 const NAMES = ['Guard', 'Outcome', 'Store', 'transaction', 'failTimes', 'idempotency', 'saveRawBody',
   'defaultFingerprint', 'parseKey', 'NOT_STORED', 'IdemError', 'FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError',
-  'AlreadyCompletedError', 'CheckpointDataError', 'stepIdempotencyKey', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient'];
+  'AlreadyCompletedError', 'CheckpointDataError', 'stepIdempotencyKey', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient',
+  'isRetryableTransaction'];
 
 test('every name is exported to CommonJS and ESM; error classes form one hierarchy', async () => {
   const cjs = require('..');

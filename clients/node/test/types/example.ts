@@ -5,6 +5,7 @@ import express from 'express';
 import { Pool } from 'pg';
 import {
   idempotency, saveRawBody, Guard, Outcome, transaction, IdemError, TimeoutError, GuardResult,
+  isRetryableTransaction,
 } from 'idem-pg';
 
 const pool = new Pool();
@@ -65,6 +66,13 @@ async function main(): Promise<void> {
     }, { timeout: 5000, lockTimeout: 1000 });
     const stored: boolean = t.notStored;
     console.log(t.outcome, t.expiresAt, stored, expires);
+    // Run again after 40001 or 40P01, up to 3 more times.
+    const retried = await transaction(client, 'order-43', 'sku=A', async ({ client: c, attempt }) => {
+      const n: number = attempt;
+      await c.query('SELECT $1::integer', [n]);
+      return { status: 201 };
+    }, { retries: 3 });
+    console.log(retried.outcome, isRetryableTransaction(new Error('x')));
   } catch (err) {
     if (err instanceof TimeoutError || (err instanceof IdemError && err.code === '42883')) console.error(err.message);
   } finally {

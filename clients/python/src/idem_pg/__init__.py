@@ -3,27 +3,30 @@
 Guard / AsyncGuard protect work outside the database with a committed
 claim, a lease and a fencing token; atomic / atomic_async put the claim,
 the business writes and the response in one transaction on your
-connection; asgi.IdempotencyMiddleware and wsgi.IdempotencyWSGIMiddleware
-implement the Idempotency-Key header.  A guard's handler can divide its
+connection (run again after 40001 or 40P01 with retries=N);
+asgi.IdempotencyMiddleware and wsgi.IdempotencyWSGIMiddleware implement
+the Idempotency-Key header.  A guard's handler can divide its
 work into steps (claim.step, claim.step_tx) that a takeover resumes after
 the last one checkpointed.
 """
 
 from ._common import AsyncClaim, BeginRow, Claim, FailN, Outcome, Response, Result, Step
 from .aio import AsyncGuard
-from .atomic import Atomic, AsyncAtomic, atomic, atomic_async
+from .atomic import (AsyncAtomic, AsyncAtomicBlock, AsyncAttempt, Atomic, AtomicBlock, Attempt,
+                     atomic, atomic_async)
 from .errors import (AlreadyCompleted, BodyTooLarge, CheckpointUnreadable, ClaimNotCompleted,
                      FingerprintMismatch, FunctionNotFound, IdemError,
                      InjectedFault, InvalidArgument, NoLiveClaim, Timeout, TokenSuperseded,
-                     Unavailable, translate)
+                     Unavailable, retry_transaction, translate)
 from .guard import Guard
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "AlreadyCompleted", "AsyncAtomic", "AsyncClaim", "AsyncGuard", "Atomic", "BeginRow",
+    "AlreadyCompleted", "AsyncAtomic", "AsyncAtomicBlock", "AsyncAttempt", "AsyncClaim",
+    "AsyncGuard", "Atomic", "AtomicBlock", "Attempt", "BeginRow",
     "BodyTooLarge", "CheckpointUnreadable", "Claim", "ClaimNotCompleted", "FailN",
     "FingerprintMismatch", "FunctionNotFound", "Guard", "IdemError", "InjectedFault", "InvalidArgument", "NoLiveClaim",
     "Outcome", "Response", "Result", "Step", "Timeout", "TokenSuperseded", "Unavailable",
-    "atomic", "atomic_async", "translate",
+    "atomic", "atomic_async", "retry_transaction", "translate",
 ]

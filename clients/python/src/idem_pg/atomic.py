@@ -14,22 +14,40 @@ ClaimNotCompleted.  A concurrent retry waits for this transaction, then
 replays.  With ``wait_for``, a retry that finds a committed claim in
 flight (a Guard's, outside any transaction of this kind) waits for its
 answer too, up to wait_for.
+
+With ``retries=N`` the block is a loop of attempts, each a new
+transaction, run again after a serialization failure (40001) or a
+deadlock (40P01):
+
+    for attempt in idem_pg.atomic(conn, "order-42", "sku=A&qty=1", retries=3):
+        with attempt as tx:
+            ...
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any, AsyncIterator, Iterator, Optional, Sequence, cast
+import random
+import time
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, cast
 
 import psycopg
+from psycopg import pq
 
 from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
                       Statements, bounds, check_wait, interval, ms, seconds, wait_seconds)
 from .aio import abort_statement
-from .errors import ClaimNotCompleted, not_found, translate
+from .errors import ClaimNotCompleted, not_found, retry_transaction, translate
 
 _SET_BOUNDS, _RESTORE, _bounds, _ms = SET_BOUNDS, RESTORE, bounds, ms
+_IDLE = pq.TransactionStatus.IDLE
+
+# The backoff between two attempts of atomic(..., retries=N), in seconds:
+# a random time from 0 to RETRY_BASE doubled for each retry, at most
+# RETRY_CAP ("full jitter").
+RETRY_BASE = 0.01
+RETRY_CAP = 1.0
 
 
 def _error(exc: BaseException, function: str, st: Statements) -> BaseException:
@@ -138,11 +156,162 @@ def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
     return st.begin, params, bounds
 
 
-@contextlib.contextmanager
+class _Retries:
+    """The attempts of one atomic(..., retries=N) loop: whether an error
+    runs the block again, and after how long."""
+
+    def __init__(self, retries: int, timeout: Seconds):
+        if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
+            raise ValueError("retries must be an int, 0 or more, got %r" % (retries,))
+        self.retries = retries
+        self.budget = seconds(timeout)
+        self.start = 0.0
+        self.number = 0          # of the attempt running or last run
+        self.delay: Optional[float] = None   # before the next attempt; None: no next one
+
+    def begin(self) -> None:
+        if self.number == 0:
+            self.start = time.monotonic()
+        self.number += 1
+        self.delay = None
+
+    def again(self, exc: BaseException, conn: Any, fresh: bool) -> bool:
+        """True to swallow ``exc`` and run the block again: a 40001 or
+        40P01 in a transaction this attempt opened (rolled back: the
+        connection is idle again), retries left, and, with a timeout, the
+        next attempt starting within it of the first."""
+        if (self.number > self.retries or not fresh or not retry_transaction(exc)
+                or conn.closed or conn.info.transaction_status != _IDLE):
+            return False
+        delay = random.uniform(0.0, min(RETRY_CAP, RETRY_BASE * 2 ** (self.number - 1)))
+        if self.budget is not None and time.monotonic() + delay - self.start > self.budget:
+            return False
+        self.delay = delay
+        return True
+
+
+class Attempt:
+    """One transaction of ``for attempt in atomic(..., retries=N)``: enter
+    it with ``with attempt as tx``.  ``number`` counts from 1."""
+
+    def __init__(self, open_: Callable[[], Any], conn: Any, retries: _Retries):
+        self._open = open_
+        self._conn = conn
+        self._retries = retries
+        self._cm: Any = None
+        self._fresh = False
+        self.number = retries.number + 1
+
+    def _enter(self) -> Any:
+        if self._cm is not None:
+            raise RuntimeError("an attempt of atomic() can be entered once")
+        self._fresh = self._conn.info.transaction_status == _IDLE
+        self._retries.begin()
+        self._cm = self._open()
+        return self._cm
+
+    def _again(self, exc: BaseException) -> bool:
+        return self._retries.again(exc, self._conn, self._fresh)
+
+    def __enter__(self) -> Atomic:
+        return self._enter().__enter__()
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        try:
+            if self._cm.__exit__(typ, exc, tb):
+                return True
+        except BaseException as err:  # the COMMIT's, or raised in place of exc
+            if not self._again(err):
+                raise
+            return True
+        return exc is not None and self._again(exc)
+
+
+class AsyncAttempt(Attempt):
+    """One transaction of ``async for attempt in atomic_async(..., retries=N)``:
+    enter it with ``async with attempt as tx``."""
+
+    async def __aenter__(self) -> AsyncAtomic:
+        return await self._enter().__aenter__()
+
+    async def __aexit__(self, typ, exc, tb) -> bool:
+        try:
+            if await self._cm.__aexit__(typ, exc, tb):
+                return True
+        except BaseException as err:
+            if not self._again(err):
+                raise
+            return True
+        return exc is not None and self._again(exc)
+
+
+def _unentered(attempt: Attempt) -> None:
+    if attempt._cm is None:
+        raise RuntimeError("each attempt of atomic() must be entered: "
+                           "for attempt in atomic(...): with attempt as tx: ...")
+
+
+_LOOP_ONLY = ("atomic(..., retries=N) runs the block again only as a loop: "
+              "for attempt in atomic(...): with attempt as tx: ...")
+
+
+class AtomicBlock:
+    """What atomic() returns: ``with`` it for one transaction, or loop over
+    it for attempts (see atomic())."""
+
+    def __init__(self, conn: Any, open_: Callable[[], Any], retries: int, timeout: Seconds):
+        self._conn = conn
+        self._open = open_
+        self._retries = _Retries(retries, timeout)
+        self._cm: Any = None
+
+    def __enter__(self) -> Atomic:
+        if self._retries.retries:
+            raise TypeError(_LOOP_ONLY)
+        self._cm = self._open()
+        return self._cm.__enter__()
+
+    def __exit__(self, typ, exc, tb) -> bool:
+        return self._cm.__exit__(typ, exc, tb)
+
+    def __iter__(self) -> Iterator[Attempt]:
+        while True:
+            attempt = Attempt(self._open, self._conn, self._retries)
+            yield attempt
+            _unentered(attempt)
+            if self._retries.delay is None:
+                return
+            time.sleep(self._retries.delay)
+
+
+class AsyncAtomicBlock(AtomicBlock):
+    """What atomic_async() returns: ``async with`` it, or ``async for``."""
+
+    async def __aenter__(self) -> AsyncAtomic:
+        if self._retries.retries:
+            raise TypeError(_LOOP_ONLY.replace("for attempt", "async for attempt")
+                            .replace("with attempt", "async with attempt"))
+        self._cm = self._open()
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, typ, exc, tb) -> bool:
+        return await self._cm.__aexit__(typ, exc, tb)
+
+    async def __aiter__(self) -> AsyncIterator[AsyncAttempt]:
+        while True:
+            attempt = AsyncAttempt(self._open, self._conn, self._retries)
+            yield attempt
+            _unentered(attempt)
+            if self._retries.delay is None:
+                return
+            await asyncio.sleep(self._retries.delay)
+
+
 def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
            schema: str = "public", lease: Seconds = None, retention: Seconds = None,
            scope: str = "", wait: bool = True, lock_timeout: Seconds = None,
-           wait_for: Seconds = None, timeout: Seconds = None) -> Iterator[Atomic]:
+           wait_for: Seconds = None, timeout: Seconds = None,
+           retries: int = 0) -> AtomicBlock:
     """Claim ``key`` in a transaction on ``conn`` (see the module doc).
     ``lock_timeout`` bounds the wait for another transaction holding the
     key (Timeout, 55P03), and is restored after the claim; with
@@ -150,10 +319,44 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
     ``timeout`` is a statement_timeout for the claim (+ wait_for) and for
     complete(), also restored after each: the block's own statements run
     under the session's.  Without it, the session's statement_timeout
-    still ends any wait (Timeout)."""
+    still ends any wait (Timeout).
+
+    ``retries``: run the transaction again, up to that many more times,
+    when it fails with a serialization failure (40001) or a deadlock
+    (40P01), as a loop of attempts::
+
+        for attempt in atomic(conn, key, fingerprint, retries=3):
+            with attempt as tx:
+                ...                      # the block, as with `with atomic(...)`
+
+    Each attempt is a new transaction: the claim runs again (the failed
+    attempt's was rolled back with its writes; a retry may now replay what
+    another caller stored).  The error may come from the block, the claim,
+    complete() or the COMMIT (PostgreSQL rolls a transaction back when it
+    answers COMMIT with either); any other error, or one without a
+    SQLSTATE (a lost connection: the COMMIT's result is unknown), ends the
+    loop at once, as does the last attempt's error.  Only a transaction
+    that atomic() opens is retried: inside the caller's transaction (a
+    savepoint) the error surfaces, since the whole transaction must run
+    again.  Between attempts the loop sleeps a random time from 0 to 10
+    ms, doubled for each retry, at most 1 s; with ``timeout``, no attempt
+    starts later than ``timeout`` seconds after the first began.  The block
+    must be safe to run again: its only effects must be its statements on
+    ``conn``, which the rollback undoes.  ``with atomic(..., retries=N)``
+    with N > 0 raises TypeError: a ``with`` block cannot run twice."""
     st = Statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
                                    lock_timeout, wait_for, timeout)
+    return AtomicBlock(conn, lambda: _claim(conn, st, key, fingerprint, scope, retention,
+                                            timeout, query, params, bounds),
+                       retries, timeout)
+
+
+@contextlib.contextmanager
+def _claim(conn: psycopg.Connection, st: Statements, key: str, fingerprint: str, scope: str,
+           retention: Seconds, timeout: Seconds, query: Any, params: Any,
+           bounds: Any) -> Iterator[Atomic]:
+    """One transaction of atomic()."""
     with conn.transaction():
         tx = Atomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
@@ -174,18 +377,30 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
                                     "rolled back" % key)
 
 
-@contextlib.asynccontextmanager
-async def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
-                       schema: str = "public", lease: Seconds = None,
-                       retention: Seconds = None, scope: str = "", wait: bool = True,
-                       lock_timeout: Seconds = None, wait_for: Seconds = None,
-                       timeout: Seconds = None) -> AsyncIterator[AsyncAtomic]:
+def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
+                 schema: str = "public", lease: Seconds = None,
+                 retention: Seconds = None, scope: str = "", wait: bool = True,
+                 lock_timeout: Seconds = None, wait_for: Seconds = None,
+                 timeout: Seconds = None, retries: int = 0) -> AsyncAtomicBlock:
     """asyncio version of atomic().  If the task is cancelled while the
     claim waits, the wait is cancelled on the server and ``conn`` is closed
-    (its transaction rolls back): psycopg cannot resume the statement."""
+    (its transaction rolls back): psycopg cannot resume the statement.
+    ``retries`` as in atomic(), with ``async for attempt in
+    atomic_async(...): async with attempt as tx: ...``."""
     st = Statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
                                    lock_timeout, wait_for, timeout)
+    return AsyncAtomicBlock(conn, lambda: _claim_async(conn, st, key, fingerprint, scope,
+                                                       retention, timeout, query, params,
+                                                       bounds),
+                            retries, timeout)
+
+
+@contextlib.asynccontextmanager
+async def _claim_async(conn: psycopg.AsyncConnection, st: Statements, key: str,
+                       fingerprint: str, scope: str, retention: Seconds, timeout: Seconds,
+                       query: Any, params: Any, bounds: Any) -> AsyncIterator[AsyncAtomic]:
+    """One transaction of atomic_async()."""
     async with conn.transaction():
         tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:

@@ -131,6 +131,21 @@ def transient(exc: BaseException) -> bool:
     return state in _TRANSIENT_STATES or state[:2] in _TRANSIENT_CLASSES
 
 
+# The SQLSTATEs after which PostgreSQL (and Citus) ask for the whole
+# transaction to run again: serialization_failure, deadlock_detected.
+RETRY_STATES = frozenset(("40001", "40P01"))
+
+
+def retry_transaction(exc: BaseException) -> bool:
+    """True if ``exc`` is a serialization failure (40001) or a deadlock
+    (40P01), itself or as its ``__cause__``: the server rolled the
+    transaction back and asks for it to run again."""
+    state = getattr(exc, "sqlstate", None)
+    if state is None and exc.__cause__ is not None:
+        state = getattr(exc.__cause__, "sqlstate", None)
+    return state in RETRY_STATES
+
+
 def not_found(exc: BaseException, function: str, schema: str) -> BaseException:
     """``exc`` as FunctionNotFound when it is 42883 or 3F000, naming the
     function and the schema looked in; else ``exc``."""
