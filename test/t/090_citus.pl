@@ -472,7 +472,7 @@ sub write_sql
 {
 	my ($key, $tenant) = @_;
 	return qq{INSERT INTO orders VALUES ('$tenant', 1);
-SELECT idem_complete('$key', 'f', 201, '\\x01'::bytea, scope => '$tenant') IS NOT NULL;
+SELECT 'completed' FROM idem_complete('$key', 'f', 201, '\\x01'::bytea, scope => '$tenant');
 COMMIT;};
 }
 
@@ -523,7 +523,7 @@ sub move_sql
 	ok(waits_for_lock($coord, $bpid),
 		"$name: the move waits for the transaction's lock on the coordinator");
 	($out, $err) = run_in($a, write_sql('dl-1', 'tenant-03'));
-	is("$out$err", 't', "$name: the order and the response commit, no deadlock");
+	is("$out$err", 'completed', "$name: the order and the response commit, no deadlock");
 	($out, $err) = run_in($b, 'SELECT 1');
 	is("$out$err", "t\n1", "$name: the move completes");
 	is((placement($coord, 'moves', 'idem.keys', 'tenant-03'))[0], $to->port,
@@ -549,7 +549,7 @@ sub move_sql
 	my ($out, $err) = run_in($b, 'SELECT 1');
 	is("$out$err", "t\n1", "$name: the move completes");
 	($out, $err) = run_in($a, write_sql('dl-2', 'tenant-05'));
-	is("$out$err", "t\nt", "$name: the claim, the order and the response commit, no deadlock");
+	is("$out$err", "t\ncompleted", "$name: the claim, the order and the response commit, no deadlock");
 	is((placement($coord, 'moves', 'idem.keys', 'tenant-05'))[0], $to->port,
 		"$name: the shard is on its new node");
 	committed_once($name, 'dl-2', 'tenant-05', $to);
@@ -558,9 +558,10 @@ sub move_sql
 
 # The background rebalancer (citus_rebalance_start(), logical replication):
 # all shard groups on one worker first, so that it moves some to the
-# other; the tenant is one of the first group it plans to move.
+# other; the tenant (prefix-N) is one of the first group it plans to move.
 sub unbalance
 {
+	my ($prefix) = @_;
 	$coord->safe_psql('moves', 'CALL citus_cleanup_orphaned_resources()');
 	for my $row (split /\n/, $coord->safe_psql('moves', qq{
 SELECT p.shardid FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid)
@@ -572,7 +573,7 @@ SELECT p.shardid FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid)
 	my $shardid = $coord->safe_psql('moves',
 		q{SELECT shardid FROM get_rebalance_table_shards_plan() LIMIT 1});
 	my $tenant = $coord->safe_psql('moves', qq{
-SELECT t FROM (SELECT 'rb-' || i AS t FROM generate_series(1, 1000) i) c
+SELECT t FROM (SELECT '$prefix-' || i AS t FROM generate_series(1, 1000) i) c
  WHERE (SELECT shardminvalue FROM pg_dist_shard
 		 WHERE shardid = get_shard_id_for_distribution_column('orders', t))
 	 = (SELECT shardminvalue FROM pg_dist_shard WHERE shardid = $shardid)
@@ -594,7 +595,7 @@ sub rebalance_done
 # for the worker's; the claim waits for it.
 {
 	my $name = 'rebalance move before the claim';
-	my ($tenant, $shardid) = unbalance();
+	my ($tenant, $shardid) = unbalance('rb-first');
 	my $gate = hold_shard($w2, $shardid);
 	my ($a, $apid) = moves_session($coord);
 	$coord->safe_psql('moves', 'SELECT citus_rebalance_start()');
@@ -603,7 +604,7 @@ sub rebalance_done
 	ok(waits_for_lock($coord, $apid), "$name: the claim waits for the move on the coordinator");
 	$gate->query_safe('COMMIT');
 	my ($out, $err) = run_in($a, write_sql('dl-3', $tenant));
-	is("$out$err", "t\nt", "$name: the claim, the order and the response commit, no deadlock");
+	is("$out$err", "t\ncompleted", "$name: the claim, the order and the response commit, no deadlock");
 	rebalance_done($name);
 	is((placement($coord, 'moves', 'idem.keys', $tenant))[0], $w2->port,
 		"$name: the shard is on its new node");
@@ -614,7 +615,7 @@ sub rebalance_done
 # Rebalance, claim first: the move waits for the transaction.
 {
 	my $name = 'rebalance move after the claim';
-	my ($tenant) = unbalance();
+	my ($tenant) = unbalance('rb-second');
 	my ($a, $apid) = moves_session($coord);
 	my ($out, $err) = run_in($a, claim_sql('dl-4', $tenant));
 	is("$out$err", 't', "$name: the key is claimed");
@@ -630,7 +631,7 @@ sub rebalance_done
 	}
 	ok($waits, "$name: the move waits for the transaction");
 	($out, $err) = run_in($a, write_sql('dl-4', $tenant));
-	is("$out$err", "t\nt", "$name: the order and the response commit, no deadlock");
+	is("$out$err", 'completed', "$name: the order and the response commit, no deadlock");
 	rebalance_done($name);
 	is((placement($coord, 'moves', 'idem.keys', $tenant))[0], $w2->port,
 		"$name: the shard is on its new node");
