@@ -556,7 +556,7 @@ sub move_sql
 	$_->quit for ($a, $b, $gate);
 }
 
-# The background rebalancer (citus_rebalance_start(), logical replication):
+# The background rebalancer (citus_rebalance_start()):
 # all shard groups on one worker first, so that it moves some to the
 # other; the tenant (prefix-N) is one of the first group it plans to move.
 sub unbalance
@@ -612,24 +612,20 @@ sub rebalance_done
 	$_->quit for ($a, $gate);
 }
 
-# Rebalance, claim first: the move waits for the transaction.
+# Rebalance, claim first, blocking writes from the start (with logical
+# replication the move would wait for the transaction before it locks
+# anything, when it creates its replication slot): the move waits on the
+# coordinator for the transaction.
 {
-	my $name = 'rebalance move after the claim';
+	my $name = 'rebalance (block_writes) move after the claim';
 	my ($tenant) = unbalance('rb-second');
 	my ($a, $apid) = moves_session($coord);
 	my ($out, $err) = run_in($a, claim_sql('dl-4', $tenant));
 	is("$out$err", 't', "$name: the key is claimed");
-	$coord->safe_psql('moves', 'SELECT citus_rebalance_start()');
-	my $waits = 0;
-	for (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
-	{
-		$waits = grep {
-			$_->safe_psql('moves', q{SELECT EXISTS (SELECT 1 FROM pg_locks WHERE NOT granted)}) eq 't'
-		} ($coord, $w1, $w2);
-		last if $waits;
-		select(undef, undef, undef, 0.1);
-	}
-	ok($waits, "$name: the move waits for the transaction");
+	$coord->safe_psql('moves',
+		q{SELECT citus_rebalance_start(shard_transfer_mode => 'block_writes')});
+	ok(move_waits_on($coord),
+		"$name: the move waits for the transaction's lock on the coordinator");
 	($out, $err) = run_in($a, write_sql('dl-4', $tenant));
 	is("$out$err", 'completed', "$name: the order and the response commit, no deadlock");
 	rebalance_done($name);
