@@ -18,7 +18,10 @@
  * - lock_shard_metadata(ShareLock) on that shard, held to the end of the
  *	 transaction: a shard move or split takes the conflicting lock on
  *	 every node before it switches the placement over, so it waits for the
- *	 calls that use the shard and they wait for it;
+ *	 calls that use the shard and they wait for it.  It takes them on the
+ *	 coordinator first, then on the workers; idem's planner hook takes the
+ *	 coordinator's (the routing node's) first too, before Citus delegates
+ *	 the call (see "Calls routed by Citus" below);
  * - pg_dist_placement, read with a snapshot taken after that lock, says
  *	 which group holds the shard, and pg_dist_local_group which group this
  *	 node is.  A call on another node fails with a serialization failure
@@ -28,7 +31,9 @@
  * Whether the table is distributed is decided once per invalidation of
  * idem.keys (Citus invalidates the table's relcache entry when it
  * distributes or undistributes it), together with keyrel.c's shape
- * check: on a server without Citus the cost per call is nil.
+ * check, and, for the planner hook, with the delegated functions read
+ * from pg_dist_object: on a server without Citus the cost per call is
+ * nil, and the hook's per statement a look at the statement's shape.
  *
  *-------------------------------------------------------------------------
  */
