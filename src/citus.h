@@ -32,5 +32,6 @@ extern Oid	idem_citus_local_shard(Relation rel, Datum value,
 								   const char *what, text *key);
 extern List *idem_citus_local_shards(Relation rel);
 extern int64 idem_citus_next_token(void);
+extern void idem_citus_init(void);
 
 #endif							/* IDEM_CITUS_H */

@@ -10,6 +10,7 @@
 #include "fmgr.h"
 #include "miscadmin.h"
 
+#include "citus.h"
 #include "compat.h"
 #include "purge.h"
 #include "settings.h"
@@ -29,6 +30,7 @@ void
 _PG_init(void)
 {
 	idem_define_settings();
+	idem_citus_init();
 
 	if (!process_shared_preload_libraries_in_progress)
 		return;

@@ -41,6 +41,7 @@ citus.node_conninfo = 'sslmode=disable'
 citus.shard_replication_factor = 1
 citus.node_connection_timeout = '5s'
 max_connections = 60
+max_worker_processes = 16
 max_prepared_transactions = 60
 max_replication_slots = 10
 max_wal_senders = 10
@@ -396,6 +397,244 @@ $coord->safe_psql('tenants', q{SELECT idem_distribute('scope', colocate_with => 
 is($coord->safe_psql('tenants', q{SELECT state FROM idem_begin('req-1', 'f', scope => 'acme')}),
 	'DONE', 'after idem_distribute() again the keys are still there');
 
+# Shard moves and the one-transaction pattern through the coordinator:
+# claim, business write, complete.  A move takes the shard's metadata lock
+# on the coordinator, then on the workers; idem takes the coordinator's
+# before Citus routes the claim (src/citus.c), so a move waits for the
+# transaction, or the claim waits for the move and is routed to the
+# shard's new node: no distributed deadlock either way.  In a database of
+# its own: orders distributed by tenant, idem.keys by scope colocated with
+# them.
+citus_database('moves');
+$coord->safe_psql('moves', q{
+CREATE TABLE orders (tenant text COLLATE "C" NOT NULL, id int NOT NULL, PRIMARY KEY (tenant, id));
+SELECT create_distributed_table('orders', 'tenant', shard_count => 4);
+SELECT idem_distribute('scope', colocate_with => 'orders');
+});
+
+# A session of the moves database on node, and its backend's pid.
+sub moves_session
+{
+	my ($node) = @_;
+	my $s = $node->background_psql('moves', on_error_stop => 0);
+	$s->query_safe(q{SET client_min_messages = warning});
+	return ($s, $s->query_safe('SELECT pg_backend_pid()'));
+}
+
+# Run sql in the background session s: its output and its errors (also
+# those of a statement started before with query_until).
+sub run_in
+{
+	my ($s, $sql) = @_;
+	my $out = $s->query($sql);
+	my $err = $s->{stderr};
+	$s->{stderr} = '';
+	return ($out, $err);
+}
+
+# Wait until the backend pid of node waits for a lock.
+sub waits_for_lock
+{
+	my ($node, $pid) = @_;
+	return $node->poll_query_until('moves',
+		qq{SELECT EXISTS (SELECT 1 FROM pg_locks WHERE pid = $pid AND NOT granted)});
+}
+
+# Wait until a shard move waits on node for the ExclusiveLock on a shard's
+# metadata, which it takes to block writes to the shard.
+sub move_waits_on
+{
+	my ($node) = @_;
+	return $node->poll_query_until('moves', q{
+SELECT EXISTS (SELECT 1 FROM pg_locks
+				WHERE locktype = 'advisory' AND mode = 'ExclusiveLock' AND NOT granted)});
+}
+
+# Hold the metadata lock of shardid's shard group on node, as a running
+# call does, until the session commits.
+sub hold_shard
+{
+	my ($node, $shardid) = @_;
+	my ($s) = moves_session($node);
+	$s->query_safe(qq{BEGIN; SELECT lock_shard_metadata(5, ARRAY[$shardid]::bigint[])});
+	return $s;
+}
+
+# The claim and the transaction's rest: the order, the response, COMMIT.
+sub claim_sql
+{
+	my ($key, $tenant) = @_;
+	return qq{BEGIN;
+SELECT claimed FROM idem_begin('$key', 'f', scope => '$tenant');
+};
+}
+sub write_sql
+{
+	my ($key, $tenant) = @_;
+	return qq{INSERT INTO orders VALUES ('$tenant', 1);
+SELECT 'completed' FROM idem_complete('$key', 'f', 201, '\\x01'::bytea, scope => '$tenant');
+COMMIT;};
+}
+
+# The transaction committed once, and its key reads back, from the node
+# the shard moved to.
+sub committed_once
+{
+	my ($name, $key, $tenant, $to) = @_;
+	is($coord->safe_psql('moves', qq{
+SELECT (SELECT count(*) FROM orders WHERE tenant = '$tenant'),
+	   (SELECT count(*) FROM idem.keys WHERE scope = '$tenant' AND status = 201)}),
+		'1|1', "$name: exactly one order and one completed key");
+	is($coord->safe_psql('moves', qq{
+SELECT state || ' ' || status FROM idem_begin('$key', 'f', scope => '$tenant')}),
+		'DONE 201', "$name: the key replays its response after the move");
+	is(rows_on($to, 'moves', 'idem.keys', qq{key = '$key'}), '1',
+		"$name: the key is stored on the shard's new node");
+	return;
+}
+
+# The shard of idem.keys that tenant is in, and the worker it is on and
+# the other one.
+sub tenant_shard
+{
+	my ($tenant) = @_;
+	my ($port, $shardid) = placement($coord, 'moves', 'idem.keys', $tenant);
+	return ($shardid, $port == $w1->port ? ($w1, $w2) : ($w2, $w1));
+}
+
+sub move_sql
+{
+	my ($shardid, $from, $to) = @_;
+	return qq{SELECT true FROM citus_move_shard_placement($shardid, '$host', ${\ $from->port},
+	'$host', ${\ $to->port}, shard_transfer_mode => 'block_writes');
+};
+}
+
+# block_writes, claim first: the move waits on the coordinator for the
+# transaction, which writes and commits.
+{
+	my $name = 'block_writes move after the claim';
+	my ($shardid, $from, $to) = tenant_shard('tenant-03');
+	my ($a) = moves_session($coord);
+	my ($b, $bpid) = moves_session($coord);
+	my ($out, $err) = run_in($a, claim_sql('dl-1', 'tenant-03'));
+	is("$out$err", 't', "$name: the key is claimed");
+	$b->query_until(qr/moving/, "\\echo moving\n" . move_sql($shardid, $from, $to));
+	ok(waits_for_lock($coord, $bpid),
+		"$name: the move waits for the transaction's lock on the coordinator");
+	($out, $err) = run_in($a, write_sql('dl-1', 'tenant-03'));
+	is("$out$err", 'completed', "$name: the order and the response commit, no deadlock");
+	($out, $err) = run_in($b, 'SELECT 1');
+	is("$out$err", "t\n1", "$name: the move completes");
+	is((placement($coord, 'moves', 'idem.keys', 'tenant-03'))[0], $to->port,
+		"$name: the shard is on its new node");
+	committed_once($name, 'dl-1', 'tenant-03', $to);
+	$_->quit for ($a, $b);
+}
+
+# block_writes, move first: the move holds the coordinator's lock (and
+# waits for a worker's, held by a third session), the claim waits for the
+# move, then is routed to the shard's new node.
+{
+	my $name = 'block_writes move before the claim';
+	my ($shardid, $from, $to) = tenant_shard('tenant-05');
+	my $gate = hold_shard($to, $shardid);
+	my ($a, $apid) = moves_session($coord);
+	my ($b) = moves_session($coord);
+	$b->query_until(qr/moving/, "\\echo moving\n" . move_sql($shardid, $from, $to));
+	ok(move_waits_on($to), "$name: the move has begun blocking writes");
+	$a->query_until(qr/claiming/, "\\echo claiming\n" . claim_sql('dl-2', 'tenant-05'));
+	ok(waits_for_lock($coord, $apid), "$name: the claim waits for the move on the coordinator");
+	$gate->query_safe('COMMIT');
+	my ($out, $err) = run_in($b, 'SELECT 1');
+	is("$out$err", "t\n1", "$name: the move completes");
+	($out, $err) = run_in($a, write_sql('dl-2', 'tenant-05'));
+	is("$out$err", "t\ncompleted", "$name: the claim, the order and the response commit, no deadlock");
+	is((placement($coord, 'moves', 'idem.keys', 'tenant-05'))[0], $to->port,
+		"$name: the shard is on its new node");
+	committed_once($name, 'dl-2', 'tenant-05', $to);
+	$_->quit for ($a, $b, $gate);
+}
+
+# The background rebalancer (citus_rebalance_start()):
+# all shard groups on one worker first, so that it moves some to the
+# other; the tenant (prefix-N) is one of the first group it plans to move.
+sub unbalance
+{
+	my ($prefix) = @_;
+	$coord->safe_psql('moves', 'CALL citus_cleanup_orphaned_resources()');
+	for my $row (split /\n/, $coord->safe_psql('moves', qq{
+SELECT p.shardid FROM pg_dist_shard s JOIN pg_dist_placement p USING (shardid)
+ WHERE s.logicalrelid = 'orders'::regclass AND p.groupid =
+	   (SELECT groupid FROM pg_dist_node WHERE nodeport = ${\ $w2->port})}))
+	{
+		$coord->safe_psql('moves', move_sql($row, $w2, $w1));
+	}
+	my $shardid = $coord->safe_psql('moves',
+		q{SELECT shardid FROM get_rebalance_table_shards_plan() LIMIT 1});
+	my $tenant = $coord->safe_psql('moves', qq{
+SELECT t FROM (SELECT '$prefix-' || i AS t FROM generate_series(1, 1000) i) c
+ WHERE (SELECT shardminvalue FROM pg_dist_shard
+		 WHERE shardid = get_shard_id_for_distribution_column('orders', t))
+	 = (SELECT shardminvalue FROM pg_dist_shard WHERE shardid = $shardid)
+ ORDER BY t LIMIT 1});
+	return ($tenant, $shardid);
+}
+
+sub rebalance_done
+{
+	my ($name) = @_;
+	$coord->safe_psql('moves', 'SELECT citus_rebalance_wait()');
+	is($coord->safe_psql('moves',
+		q{SELECT state FROM pg_dist_background_job ORDER BY job_id DESC LIMIT 1}),
+		'finished', "$name: the rebalance completes");
+	return;
+}
+
+# Rebalance, move first: the move holds the coordinator's lock, waiting
+# for the worker's; the claim waits for it.
+{
+	my $name = 'rebalance move before the claim';
+	my ($tenant, $shardid) = unbalance('rb-first');
+	my $gate = hold_shard($w2, $shardid);
+	my ($a, $apid) = moves_session($coord);
+	$coord->safe_psql('moves', 'SELECT citus_rebalance_start()');
+	ok(move_waits_on($w2), "$name: the move has begun blocking writes");
+	$a->query_until(qr/claiming/, "\\echo claiming\n" . claim_sql('dl-3', $tenant));
+	ok(waits_for_lock($coord, $apid), "$name: the claim waits for the move on the coordinator");
+	$gate->query_safe('COMMIT');
+	my ($out, $err) = run_in($a, write_sql('dl-3', $tenant));
+	is("$out$err", "t\ncompleted", "$name: the claim, the order and the response commit, no deadlock");
+	rebalance_done($name);
+	is((placement($coord, 'moves', 'idem.keys', $tenant))[0], $w2->port,
+		"$name: the shard is on its new node");
+	committed_once($name, 'dl-3', $tenant, $w2);
+	$_->quit for ($a, $gate);
+}
+
+# Rebalance, claim first, blocking writes from the start (with logical
+# replication the move would wait for the transaction before it locks
+# anything, when it creates its replication slot): the move waits on the
+# coordinator for the transaction.
+{
+	my $name = 'rebalance (block_writes) move after the claim';
+	my ($tenant) = unbalance('rb-second');
+	my ($a, $apid) = moves_session($coord);
+	my ($out, $err) = run_in($a, claim_sql('dl-4', $tenant));
+	is("$out$err", 't', "$name: the key is claimed");
+	$coord->safe_psql('moves',
+		q{SELECT citus_rebalance_start(shard_transfer_mode => 'block_writes')});
+	ok(move_waits_on($coord),
+		"$name: the move waits for the transaction's lock on the coordinator");
+	($out, $err) = run_in($a, write_sql('dl-4', $tenant));
+	is("$out$err", 'completed', "$name: the order and the response commit, no deadlock");
+	rebalance_done($name);
+	is((placement($coord, 'moves', 'idem.keys', $tenant))[0], $w2->port,
+		"$name: the shard is on its new node");
+	committed_once($name, 'dl-4', $tenant, $w2);
+	$a->quit;
+}
+
 # The benchmark (IDEM_CITUS_BENCH=seconds; doc/citus.md): the one-transaction
 # request (claim, business row, complete) on new keys, 8 clients, through
 # the coordinator to the two workers, against single-node idem in a
@@ -450,7 +689,7 @@ SELECT string_agg(i.indexrelid::regclass || bt_index_check(i.indexrelid::regclas
 	  or diag("$shards shards, $checked checked:\n" . ($failed // q{}));
 	return;
 }
-amcheck_shards($_) for qw(postgres tenants);
+amcheck_shards($_) for qw(postgres tenants moves);
 idem_amcheck($coord, 'single') if $ENV{IDEM_CITUS_BENCH};
 
 $coord->stop;
