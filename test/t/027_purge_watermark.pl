@@ -171,8 +171,8 @@ ok( $node->poll_query_until('postgres',
 	'the key committed after those passes is purged');
 
 # After a restart the watermark is not known: the first pass reads.
-$node->restart;
 $offset = -s $node->logfile;
+$node->restart;
 wait_passes(1);
 cmp_ok(batches_since($offset), '>', 0, 'the first pass after a restart reads the table');
 
