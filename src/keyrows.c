@@ -910,18 +910,19 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	idem_keyrel_prepare_write(kt);
 	CheckCmdReplicaIdentity(kt->rel, CMD_DELETE);
 
-	nblocks = RelationGetNumberOfBlocks(kt->rel);
-	if (first >= nblocks)
-	{
-		*at_end = true;
-		return 0;
-	}
-	end = (nblocks - first > *pages) ? first + *pages : nblocks;
-
 	/* See this transaction's earlier writes; delete with a later command id. */
 	CommandCounterIncrement();
 	snapshot = RegisterSnapshot(GetTransactionSnapshot());
 	PredicateLockRelation(kt->rel, snapshot);
+
+	nblocks = RelationGetNumberOfBlocks(kt->rel);
+	if (first >= nblocks)
+	{
+		UnregisterSnapshot(snapshot);
+		*at_end = true;
+		return 0;
+	}
+	end = (nblocks - first > *pages) ? first + *pages : nblocks;
 	strategy = GetAccessStrategy(BAS_BULKREAD);
 	for (blkno = first; blkno < end && !stopped; blkno++)
 	{

@@ -65,3 +65,22 @@ SELECT key, status FROM idem.keys ORDER BY key;
 SELECT claimed, state FROM idem_begin('p-reclaimed', 'fp');
 RESET idem.clock_offset;
 RESET statement_timeout;
+
+-- Under SERIALIZABLE the purge takes the relation-level predicate lock a
+-- sequential scan takes (it reads every page), also of an empty table.
+BEGIN ISOLATION LEVEL SERIALIZABLE;
+SELECT idem_purge() AS purged;
+SELECT locktype, mode FROM pg_locks
+ WHERE pid = pg_backend_pid() AND relation = 'idem.keys'::regclass AND mode = 'SIReadLock';
+COMMIT;
+CREATE TEMP TABLE saved_keys AS SELECT * FROM idem.keys;
+DELETE FROM idem.keys;
+VACUUM idem.keys;
+BEGIN ISOLATION LEVEL SERIALIZABLE;
+SELECT idem_purge() AS purged;
+SELECT locktype, mode FROM pg_locks
+ WHERE pid = pg_backend_pid() AND relation = 'idem.keys'::regclass AND mode = 'SIReadLock';
+COMMIT;
+INSERT INTO idem.keys SELECT * FROM saved_keys;
+DROP TABLE saved_keys;
+
