@@ -324,8 +324,41 @@ for h in 1 2 3 4 5; do churn_hour $h; done
 s5=$(size_of idem.keys)
 row "6 size after 6 windows / after 1" "1st $s1" "6th $s5" "-" "$(ratio "$s5" "$s1")" "-" "<=1.5"
 
+# 7. End to end through the Python client (test/bench/e2e.py): idem's
+# one-transaction helper against a hand-written key table in the same
+# transaction and against Redis SET NX beside PostgreSQL, 8 worker
+# processes, new keys and then replays, interleaved rounds.  Redis is
+# Debian's redis-server, started here on a private socket-less port and
+# stopped on exit; without it (or python3-redis) the rows are skipped.
+e2e_requests=${BENCH_E2E_REQUESTS:-2000}
+[ -n "${BENCH_SMOKE:-}" ] && e2e_requests=50
+if command -v redis-server >/dev/null && /usr/bin/python3 -c 'import redis, psycopg' 2>/dev/null; then
+	redis_port=$((port + 1))
+	redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
+		--daemonize yes --pidfile "$work/redis.pid" --dir "$work" --logfile "$work/redis.log"
+	for _ in $(seq 50); do [ -s "$work/redis.pid" ] && break; sleep 0.1; done
+	redis_pid=$(cat "$work/redis.pid")
+	trap 'kill "$redis_pid" 2>/dev/null; cleanup' EXIT
+	e2e=$(PYTHONPATH="$top/clients/python/src" /usr/bin/python3 "$here/e2e.py" \
+		--dsn "host=$dir port=$port user=postgres dbname=bench" \
+		--redis-port "$redis_port" --redis-pid "$redis_pid" \
+		--workers "$clients" --requests "$e2e_requests" --rounds "$runs")
+	kill "$redis_pid"
+	val() { echo "$e2e" | awk -v p="$1" -v ph="$2" -v f="$3" '$1 == p && $2 == ph {print $f}'; }
+	for ph in new replay; do
+		row "7 e2e $ph keys, Python, $clients procs (req/s)" "idem $(val idem $ph 3)" "table $(val table $ph 3)" \
+			"redis $(val redis $ph 3)" "$(ratio "$(val idem $ph 3)" "$(val table $ph 3)")" \
+			"$(ratio "$(val idem $ph 3)" "$(val redis $ph 3)")" ">=1.0, >=1.0"
+		row "7 e2e $ph keys, server CPU per request (us)" "idem $(val idem $ph 4)" "table $(val table $ph 4)" \
+			"redis $(val redis $ph 4)" "$(ratio "$(val idem $ph 4)" "$(val table $ph 4)")" \
+			"$(ratio "$(val idem $ph 4)" "$(val redis $ph 4)")" "lower=better"
+	done
+else
+	echo "bench: redis-server or python3-redis not installed: end-to-end rows (7) skipped" >&2
+fi
+
 echo
-printf '%-44s %14s %14s %14s %8s %8s  %s\n' "workload" "idem" "peer" "peer 2" "idem/sql" "idem/plpg" "target"
+printf '%-44s %14s %14s %14s %8s %8s  %s\n' "workload" "idem" "peer" "peer 2" "idem/peer" "idem/peer2" "target"
 printf '%s\n' "${rows[@]}"
 echo
 echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $(pg_config --version | awk '{print $2}'), runs=$runs, pgbench ${secs}s"
