@@ -22,7 +22,8 @@
  * deletions raises it to the least expiry of the versions it left (live,
  * uncommitted or skipped), or of keys written while it ran, whichever is
  * less.  So a pass is skipped, without reading the table, while the
- * watermark is in the future.  An INSERT, UPDATE or MERGE into the table
+ * watermark is in the future (it still opens the table, so that a table
+ * idem cannot use is reported every pass).  An INSERT, UPDATE or MERGE into the table
  * and COPY into it make the watermark unknown when they end, so the next
  * pass reads the table.  Rows that reach the table otherwise (logical
  * replication, a Citus shard move) do not: a pass reads the table at least
@@ -92,7 +93,19 @@ bool
 idem_purge_pass_start(TimestampTz now)
 {
 	if (idem_stats_expiry_after(now, IDEM_PURGE_FULL_PASS_SECS * USECS_PER_SEC))
+	{
+		KeyTable	kt;
+
+		/*
+		 * Open the table all the same, with the lock a pass takes: a table
+		 * idem cannot use (an index or trigger added since) fails the pass
+		 * and is reported in idem_stats, as a pass that reads it is.
+		 */
+		idem_keytable_open(&kt, "idem_purge()", NULL, NULL,
+						   idem_keytable_write_lockmode());
+		idem_keytable_close(&kt);
 		return false;
+	}
 	ItemPointerSet(&purge_cursor, 0, 0);
 	pass_number = idem_stats_expiry_pass_start();
 	return true;

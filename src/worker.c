@@ -742,15 +742,16 @@ purge_batch(int batch_size)
 		purge_report(VISIT_PURGING);
 		/* Errors are recorded after their transaction aborted. */
 		idem_stats_prepare_encoding();
-		/* Nothing expired yet: the pass ends without reading the table. */
-		if (!idem_purge_pass_start(idem_now()))
-		{
-			CommitTransactionCommand();
-			purge_batches++;
-			return BATCH_LAST;
-		}
 	}
 	PushActiveSnapshot(GetTransactionSnapshot());
+	/* Nothing expired yet: the pass ends without reading the table. */
+	if (purge_batches == 0 && !idem_purge_pass_start(idem_now()))
+	{
+		PopActiveSnapshot();
+		CommitTransactionCommand();
+		purge_batches++;
+		return BATCH_LAST;
+	}
 
 	pgstat_report_activity(STATE_RUNNING, "idem: deleting expired keys");
 	n = idem_purge_batch(idem_now(), batch_size, &pass_done);

@@ -151,6 +151,15 @@ is(batches_since($offset), 0, 'after a DELETE, passes still skip the table');
 is($node->safe_psql('postgres', 'SELECT count(*) FROM idem.keys'),
 	'19997', 'the other live keys stay');
 
+# A pass with nothing to read still opens the table: an index idem does
+# not maintain, added while passes skip, is reported in idem_stats.
+$node->safe_psql('postgres', 'CREATE INDEX keys_extra ON idem.keys (expires_at)');
+ok( $node->poll_query_until('postgres', q{
+SELECT last_purge_error LIKE '%"keys_extra", which idem does not maintain'
+  FROM idem_stats WHERE datname = current_database()}),
+	'a pass with nothing expired reports a table idem cannot use');
+$node->safe_psql('postgres', 'DROP INDEX idem.keys_extra');
+
 # A key claimed with an expiry in the past by a transaction still open:
 # passes read the table but cannot delete it (nobody else sees it yet);
 # they must not raise the watermark past it, so that it is purged once
