@@ -13,7 +13,7 @@ import pytest
 from idem_pg import (AlreadyCompleted, FailN, FingerprintMismatch,
                      Guard, InjectedFault, InvalidArgument, NoLiveClaim, Outcome,
                      Response, Timeout, TokenSuperseded, Unavailable)
-from idem_pg._common import NOT_STORED_BODY
+from idem_pg._common import NOT_STORED_BODY, statements
 
 from conftest import lookup, new_key, wait_for
 
@@ -346,6 +346,16 @@ def test_every_call_is_schema_qualified(dsn, db):
     assert lookup(db, key)["state"] == "DONE"
     for stmt in (g.sql.begin, g.sql.begin_wait, g.sql.complete, g.sql.release,
                  g.sql.extend):
-        text = stmt.as_string(db)
-        assert '"public".idem_' in text and "%s::" in text
-    assert "%b::bytea" in g.sql.complete.as_string(db)
+        assert '"public".idem_' in stmt and "%s::" in stmt
+    assert "%b::bytea" in g.sql.complete
+
+
+def test_schema_name_quoted_once(dsn):
+    """The statements are rendered once per schema, with the name quoted
+    as an identifier: a quote and a % in it reach the server intact."""
+    assert statements("public") is statements("public")
+    st = statements('we"ird%')
+    assert '"we""ird%%".idem_lookup(' in st.lookup
+    with psycopg.connect(dsn, autocommit=True) as conn, pytest.raises(
+            psycopg.errors.InvalidSchemaName, match='schema "we"ird%" does not exist'):
+        conn.execute(st.lookup, ("k", ""))

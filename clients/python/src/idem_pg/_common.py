@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import enum
+import functools
 import inspect
 import json
 import threading
@@ -387,6 +388,11 @@ def check_wait(wait: bool, wait_for: Seconds) -> None:
                          "for a holder cannot wait for its answer")
 
 
+def _render(template: str, schema: str) -> str:
+    """``template`` with ``{}`` replaced by the quoted ``schema``."""
+    return template.replace("{}", schema)
+
+
 class Statements:
     """The SQL, schema-qualified, every parameter cast to its exact type;
     bodies go as binary bytea parameters (%b)."""
@@ -394,7 +400,10 @@ class Statements:
     def __init__(self, schema: str = "public"):
         if not schema:
             raise ValueError("schema must not be empty")
-        s = sql.Identifier(schema)
+        # Rendered once, as text: a Composed is rendered again (the
+        # identifier escaped through libpq) on every execute.  A % in the
+        # name is doubled, as psycopg reads the text for placeholders.
+        s = '"' + schema.replace('"', '""').replace("%", "%%") + '"'
         self.schema = schema
         # The server's clock, read once idem_begin has answered, dates the
         # lease_until of an in-flight answer without trusting this host's.
@@ -404,39 +413,48 @@ class Statements:
         cols = ("SELECT claimed, state, token, status, body, lease_until, expires_at,"
                 " pg_catalog.clock_timestamp()")
         args6 = ("%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean")
-        self.begin = sql.SQL(cols + " FROM {}.idem_begin(" + args6 + ")").format(s)
+        self.begin = _render(cols + " FROM {}.idem_begin(" + args6 + ")", s)
+        # atomic(): the dates matter only to an answer that claimed nothing
+        # (the block's complete() returns the expiry of a claim); NULLs cost
+        # the client no decoding.
+        acols = ("SELECT claimed, state, token, status, body,"
+                 " CASE WHEN NOT claimed THEN lease_until END,"
+                 " CASE WHEN NOT claimed THEN expires_at END,"
+                 " CASE WHEN NOT claimed THEN pg_catalog.clock_timestamp() END")
+        self.begin_atomic = _render(acols + " FROM {}.idem_begin(" + args6 + ")", s)
+        self.begin_wait_atomic = _render(
+            acols + " FROM {}.idem_begin(" + args6 + ", %s::interval)", s)
         # Only when the caller asks for a wait: an extension older than
         # idem_begin's wait_for still answers six arguments.
-        self.begin_wait = sql.SQL(
-            cols + " FROM {}.idem_begin(" + args6 + ", %s::interval)").format(s)
-        self.begin_phase = sql.SQL(
-            cols + ", phase, phase_data FROM {}.idem_begin(" + args6 + ")").format(s)
-        self.begin_wait_phase = sql.SQL(
+        self.begin_wait = _render(
+            cols + " FROM {}.idem_begin(" + args6 + ", %s::interval)", s)
+        self.begin_phase = _render(
+            cols + ", phase, phase_data FROM {}.idem_begin(" + args6 + ")", s)
+        self.begin_wait_phase = _render(
             cols + ", phase, phase_data FROM {}.idem_begin(" + args6
-            + ", %s::interval)").format(s)
-        self.checkpoint = sql.SQL(
-            "SELECT {}.idem_checkpoint(%s::text, %s::bigint, %s::text, %b::bytea, %s::text)"
-        ).format(s)
-        self.hold = sql.SQL(
-            "SELECT {}.idem_hold(%s::text, %s::bigint, %s::text)").format(s)
-        self.complete = sql.SQL(
+            + ", %s::interval)", s)
+        self.checkpoint = _render(
+            "SELECT {}.idem_checkpoint(%s::text, %s::bigint, %s::text, %b::bytea, %s::text)",
+            s)
+        self.hold = _render(
+            "SELECT {}.idem_hold(%s::text, %s::bigint, %s::text)", s)
+        self.complete = _render(
             "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea, "
-            "%s::bigint, %s::interval, %s::text)"
-        ).format(s)
-        self.release = sql.SQL(
-            "SELECT {}.idem_release(%s::text, %s::bigint, %s::text)").format(s)
-        self.extend = sql.SQL(
-            "SELECT {}.idem_extend(%s::text, %s::bigint, %s::interval, %s::text)").format(s)
+            "%s::bigint, %s::interval, %s::text)", s)
+        self.release = _render(
+            "SELECT {}.idem_release(%s::text, %s::bigint, %s::text)", s)
+        self.extend = _render(
+            "SELECT {}.idem_extend(%s::text, %s::bigint, %s::interval, %s::text)", s)
         # What a call of each step names when the server has no such function.
         self.functions = {"begin": "idem_begin", "complete": "idem_complete",
                           "release": "idem_release", "extend": "idem_extend",
                           "lookup": "idem_lookup", "checkpoint": "idem_checkpoint",
                           "hold": "idem_hold"}
-        self.lookup = sql.SQL(
+        self.lookup = _render(
             "SELECT state, token, status, lease_until, expires_at, body_size"
-            " FROM {}.idem_lookup(%s::text, %s::text)").format(s)
+            " FROM {}.idem_lookup(%s::text, %s::text)", s)
 
-    def begin_query(self, wait: bool, phase: bool) -> sql.Composed:
+    def begin_query(self, wait: bool, phase: bool) -> str:
         if wait:
             return self.begin_wait_phase if phase else self.begin_wait
         return self.begin_phase if phase else self.begin
@@ -505,6 +523,14 @@ class BeginRow:
         if self.state != "DONE" or self.claimed:
             return None
         return Response(self.status if self.status is not None else 0, self.body or b"")
+
+
+@functools.lru_cache(maxsize=64)
+def statements(schema: str = "public") -> Statements:
+    """The Statements of ``schema``, composed once per process: atomic()
+    runs on every request, and composing them costs more client CPU than
+    the claim's round trip."""
+    return Statements(schema)
 
 
 # Bounds for one statement inside a caller's transaction (SET LOCAL; NULL:

@@ -36,7 +36,8 @@ import psycopg
 from psycopg import pq
 
 from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
-                      Statements, bounds, check_wait, interval, ms, seconds, wait_seconds)
+                      Statements, bounds, check_wait, interval, ms, seconds, statements,
+                      wait_seconds)
 from .aio import abort_statement
 from .errors import ClaimNotCompleted, not_found, retry_transaction, translate
 
@@ -152,8 +153,8 @@ def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
     bounds = _bounds(None if lock_timeout is None else cast(float, seconds(lock_timeout)) + w,
                      None if timeout is None else cast(float, seconds(timeout)) + w)
     if w:
-        return st.begin_wait, params + [interval(w)], bounds
-    return st.begin, params, bounds
+        return st.begin_wait_atomic, params + [interval(w)], bounds
+    return st.begin_atomic, params, bounds
 
 
 class _Retries:
@@ -344,7 +345,7 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
     must be safe to run again: its only effects must be its statements on
     ``conn``, which the rollback undoes.  ``with atomic(..., retries=N)``
     with N > 0 raises TypeError: a ``with`` block cannot run twice."""
-    st = Statements(schema)
+    st = statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
                                    lock_timeout, wait_for, timeout)
     return AtomicBlock(conn, lambda: _claim(conn, st, key, fingerprint, scope, retention,
@@ -387,7 +388,7 @@ def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
     (its transaction rolls back): psycopg cannot resume the statement.
     ``retries`` as in atomic(), with ``async for attempt in
     atomic_async(...): async with attempt as tx: ...``."""
-    st = Statements(schema)
+    st = statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
                                    lock_timeout, wait_for, timeout)
     return AsyncAtomicBlock(conn, lambda: _claim_async(conn, st, key, fingerprint, scope,
