@@ -412,8 +412,6 @@ class Statements:
         # without those columns.
         cols = ("SELECT claimed, state, token, status, body, lease_until, expires_at,"
                 " pg_catalog.clock_timestamp()")
-        args6 = ("%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean")
-        self.begin = _render(cols + " FROM {}.idem_begin(" + args6 + ")", s)
         # atomic(): the dates matter only to an answer that claimed nothing
         # (the block's complete() returns the expiry of a claim); NULLs cost
         # the client no decoding.
@@ -421,18 +419,20 @@ class Statements:
                  " CASE WHEN NOT claimed THEN lease_until END,"
                  " CASE WHEN NOT claimed THEN expires_at END,"
                  " CASE WHEN NOT claimed THEN pg_catalog.clock_timestamp() END")
-        self.begin_atomic = _render(acols + " FROM {}.idem_begin(" + args6 + ")", s)
-        self.begin_wait_atomic = _render(
-            acols + " FROM {}.idem_begin(" + args6 + ", %s::interval)", s)
-        # Only when the caller asks for a wait: an extension older than
-        # idem_begin's wait_for still answers six arguments.
-        self.begin_wait = _render(
-            cols + " FROM {}.idem_begin(" + args6 + ", %s::interval)", s)
-        self.begin_phase = _render(
-            cols + ", phase, phase_data FROM {}.idem_begin(" + args6 + ")", s)
-        self.begin_wait_phase = _render(
-            cols + ", phase, phase_data FROM {}.idem_begin(" + args6
-            + ", %s::interval)", s)
+        # The wait_for argument only when the caller asks for a wait: an
+        # extension older than idem_begin's wait_for answers six arguments.
+        args6 = "%s::text, %s::text, %s::interval, %s::interval, %s::text, %s::boolean"
+
+        def begin(columns: str, wait: bool) -> str:
+            return _render(columns + " FROM {}.idem_begin(" + args6
+                           + (", %s::interval)" if wait else ")"), s)
+
+        self.begin = begin(cols, False)
+        self.begin_wait = begin(cols, True)
+        self.begin_phase = begin(cols + ", phase, phase_data", False)
+        self.begin_wait_phase = begin(cols + ", phase, phase_data", True)
+        self.begin_atomic = begin(acols, False)
+        self.begin_wait_atomic = begin(acols, True)
         self.checkpoint = _render(
             "SELECT {}.idem_checkpoint(%s::text, %s::bigint, %s::text, %b::bytea, %s::text)",
             s)

@@ -24,7 +24,7 @@ from psycopg import pq
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, BeginRow,
                       Claim, Outcome, Response, Result, Seconds, Statements, StepLog,
                       as_response, bounds, check_wait, fault_error, interval,
-                      offset_seconds, offset_text, seconds, wait_seconds)
+                      offset_seconds, offset_text, seconds, statements, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support
@@ -149,7 +149,7 @@ class AsyncGuard:
         self._phase_support = phase_support()
         self.timeout = seconds(timeout)
         self._source = _AsyncSource(connection, self.timeout)
-        self.sql = Statements(schema)
+        self.sql = statements(schema)
         self.lease = lease
         self.retention = retention
         self.scope = scope

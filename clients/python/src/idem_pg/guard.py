@@ -27,7 +27,7 @@ from psycopg import pq
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Claim,
                       Outcome, Response, Result, Seconds, Statements, StepLog, _Support,
                       as_response, bounds, check_wait, fault_error, interval,
-                      offset_seconds, offset_text, seconds, wait_seconds)
+                      offset_seconds, offset_text, seconds, statements, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
                      transient)
 
@@ -201,7 +201,7 @@ class Guard:
         self._phase_support = phase_support()
         self.timeout = seconds(timeout)
         self._source = _Source(connection, self.timeout)
-        self.sql = Statements(schema)
+        self.sql = statements(schema)
         self.lease = lease
         self.retention = retention
         self.scope = scope
