@@ -60,7 +60,7 @@ fi
 if [ "${IDEM_CLIENTS:-yes}" != no ]; then
 	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh test/docs.sh \
 		test/monitoring.sh; do
-		echo "== $t"
+		echo "== $t" | tee -a "$log.clients"
 		{ sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
 	done
 fi
@@ -74,6 +74,14 @@ failed=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored
 # Every make installcheck exited 0 (a failure it did not count still fails).
 { grep -q "^exit status 0$" "$log" && ! grep -q "^exit status [1-9]" "$log"; } ||
 	[ "$failed" -gt 0 ] || failed=1
+# What failed, last, where a log's tail shows it: the failing cases and
+# tests of every suite and each client suite's count.
+failures=$(grep -hE '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)|^--- FAIL|^(FAILED|ERROR) |^exit status [1-9]|did not (answer|start)|^test\.sh: |^go client: |^[0-9]+ passed, [1-9][0-9]* failed$' \
+	"$log" "$log.clients" 2>/dev/null | head -n 40)
+[ -f "$log.clients" ] && echo "== suites" &&
+	awk '/^== / { name = $2 } /^[0-9]+ passed, [0-9]+ failed$/ { last = $0 }
+		/^client exit status / { print name ": " last " (exit " $4 ")"; last = "" }' "$log.clients"
+[ -n "$failures" ] && printf '== failures\n%s\n' "$failures"
 if [ -f "$log.clients" ]; then
 	# Each suite's last count line is its total (a suite may print the
 	# counts of its parts, such as the HTTP conformance runs, before it).
