@@ -577,7 +577,8 @@ idem_keytable_insert(KeyTable *kt, KeyValues *kv)
 	HeapTupleHeaderSetSpeculativeToken(tuple->t_data, spec_token);
 	heap_insert(kt->rel, tuple, GetCurrentCommandId(true),
 				HEAP_INSERT_SPECULATIVE, NULL);
-	idem_stats_expiry_note(kv->expires_at);
+	idem_stats_expiry_note(kv->expires_at,
+						   ItemPointerGetBlockNumber(&tuple->t_self));
 	unique = insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
 	if (unique)
 		heap_finish_speculative(kt->rel, &tuple->t_self);
@@ -780,7 +781,8 @@ idem_keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 							  &index_new_version);
 	error_context_stack = errcb.previous;
 	if (result == TM_Ok)
-		idem_stats_expiry_note(kv->expires_at);
+		idem_stats_expiry_note(kv->expires_at,
+							   ItemPointerGetBlockNumber(&tuple->t_self));
 	if (index_new_version)
 		insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
 	heap_freetuple(tuple);
@@ -874,11 +876,14 @@ idem_keytable_read_phase(KeyTable *kt, KeyRow *row, MemoryContext cxt,
  * looked at, and reading at most *pages pages (which is decreased by the
  * pages read), so that a table with few expired rows is walked in many
  * short transactions rather than one long one.  *at_end is set if the walk
- * reached the end of the table.  A row is deleted only if the version
+ * reached the end of the table.  Blocks of ranges that ranges does not
+ * mark are passed over without being read or counted, unless it says to
+ * read all.  A row is deleted only if the version
  * found expired is visible to the transaction's snapshot, is still the
  * latest, and no transaction holds it: the delete never waits.
  *
- * *least_left is lowered to the expiry of every version read and left in
+ * The least_left of a block's range is lowered to the expiry of every
+ * version read and left in
  * place that a transaction may still see or make visible: live ones, those
  * not yet committed (inserted or deleted), and those the delete skipped,
  * but not those a committed transaction deleted or replaced.  Reading
@@ -894,14 +899,14 @@ idem_keytable_read_phase(KeyTable *kt, KeyRow *row, MemoryContext cxt,
  */
 static int64
 purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
-			   BlockNumber *pages, bool *at_end, TimestampTz *least_left)
+			   BlockNumber *pages, bool *at_end, IdemPurgeRanges *ranges)
 {
 	BlockNumber first = ItemPointerGetBlockNumberNoCheck(cursor);
 	OffsetNumber first_offset = ItemPointerGetOffsetNumberNoCheck(cursor);
 	TupleDesc	desc = RelationGetDescr(kt->rel);
 	BlockNumber nblocks;
-	BlockNumber end;
 	BlockNumber blkno;
+	BlockNumber nread = 0;
 	BufferAccessStrategy strategy;
 	Snapshot	snapshot;
 	int64		n = 0;
@@ -922,13 +927,14 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 		*at_end = true;
 		return 0;
 	}
-	end = (nblocks - first > *pages) ? first + *pages : nblocks;
 	strategy = GetAccessStrategy(BAS_BULKREAD);
-	for (blkno = first; blkno < end && !stopped; blkno++)
+	for (blkno = first; blkno < nblocks && nread < *pages && !stopped; blkno++)
 	{
 		OffsetNumber expired[MaxHeapTuplesPerPage];
 		TimestampTz expired_at[MaxHeapTuplesPerPage];
 		int			nexpired = 0;
+		int			range = idem_purge_range_of(ranges->shift, blkno);
+		TimestampTz *least_left = &ranges->least_left[range];
 		Buffer		buf;
 		Page		page;
 		OffsetNumber off;
@@ -936,6 +942,17 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 		int			i;
 
 		CHECK_FOR_INTERRUPTS();
+		if (!ranges->read_all && !ranges->read[range])
+		{
+			/* On to the last block of the range; the last range has no end. */
+			if (range == IDEM_PURGE_RANGES - 1)
+				blkno = nblocks - 1;
+			else
+				blkno = (BlockNumber) Min((uint64) nblocks,
+										  (uint64) (range + 1) << ranges->shift) - 1;
+			continue;
+		}
+		nread++;
 		buf = ReadBufferExtended(kt->rel, MAIN_FORKNUM, blkno, RBM_NORMAL,
 								 strategy);
 		heap_page_prune_opt(kt->rel, buf);
@@ -1006,15 +1023,22 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	}
 	FreeAccessStrategy(strategy);
 	UnregisterSnapshot(snapshot);
-	*at_end = (!stopped && blkno == nblocks);
+	*at_end = (!stopped && blkno >= nblocks);
 	/* The next batch starts after the last page read. */
 	if (!stopped)
 		ItemPointerSet(cursor, blkno, 0);
-	*pages -= blkno - first;
-	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %lld rows deleted",
-		 RelationGetRelationName(kt->rel), first, blkno - 1, nblocks,
+	*pages -= nread;
+	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %u read, %lld rows deleted",
+		 RelationGetRelationName(kt->rel), first, blkno - 1, nblocks, nread,
 		 (long long) n);
 	return n;
+}
+
+/* The number of blocks of the open table (of the table itself under Citus). */
+BlockNumber
+idem_keytable_nblocks(KeyTable *kt)
+{
+	return RelationGetNumberOfBlocks(kt->rel);
 }
 
 /*
@@ -1030,13 +1054,14 @@ static int64 purge_shardid = 0;
  * at, and reading at most IDEM_PURGE_BATCH_PAGES pages (over all the
  * shards it walks, if Citus distributes the table).  *at_end is set if the
  * scan reached the end of the table (of the last shard placed on this
- * node, if Citus distributes it).  *least_left is lowered to the least
- * expiry left in what was read (see purge_relation), or set to DT_NOBEGIN
- * (not known) if Citus distributes the table.
+ * node, if Citus distributes it).  ranges says which blocks to read and
+ * gets the least expiry left in each range read (see purge_relation); if
+ * Citus distributes the table, every block of every shard is read and
+ * ranges is marked unknown.
  */
 int64
 idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
-						  bool *at_end, TimestampTz *least_left)
+						  bool *at_end, IdemPurgeRanges *ranges)
 {
 	KeyTable	kt;
 	int64		n = 0;
@@ -1048,13 +1073,16 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 					   idem_keytable_write_lockmode());
 	if (likely(!idem_keyrel_distributed()))
 	{
-		n = purge_relation(&kt, now, limit, cursor, &pages, at_end,
-						   least_left);
+		n = purge_relation(&kt, now, limit, cursor, &pages, at_end, ranges);
 		idem_keytable_close(&kt);
 		return n;
 	}
 
-	/* Distributed: the shards placed here; the table itself stays empty. */
+	/*
+	 * Distributed: the shards placed here; the table itself stays empty.
+	 * Their blocks share the ranges, so every block is read.
+	 */
+	ranges->read_all = true;
 	if (ItemPointerGetBlockNumberNoCheck(cursor) == 0 &&
 		ItemPointerGetOffsetNumberNoCheck(cursor) == 0)
 		purge_shardid = 0;
@@ -1074,7 +1102,7 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		}
 		idem_keyrel_switch_shard(&kt, shard->relid);
 		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end,
-							least_left);
+							ranges);
 		if (!shard_at_end || n >= limit || pages == 0)
 		{
 			*at_end = false;
@@ -1084,7 +1112,7 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	if (*at_end)
 		purge_shardid = 0;
 	/* Shards moved here bring rows whose expiry no write noted. */
-	*least_left = DT_NOBEGIN;
+	ranges->unknown = true;
 	idem_keytable_close(&kt);
 	return n;
 }

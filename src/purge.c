@@ -54,11 +54,17 @@ PG_FUNCTION_INFO_V1(idem_purge);
 /* Where this backend's next batch starts; (0,0) is before every row. */
 static ItemPointerData purge_cursor = {{0, 0}, 0};
 
-/* The least expiry left by this backend's pass so far (purge_relation). */
-static TimestampTz pass_least_left = DT_NOEND;
+/*
+ * What this backend's pass reads, and the least expiry it left so far in
+ * each range (purge_relation).  idem_purge() reads every block.
+ */
+static IdemPurgeRanges pass_ranges = {.read_all = true};
 
 /* This backend's pass, as numbered by idem_stats_expiry_pass_start. */
 static uint32 pass_number = 0;
+
+/* Whether this backend's pass reads the whole table. */
+static bool pass_full = true;
 
 /*
  * Delete up to limit keys that expired at or before now, walking on from
@@ -72,11 +78,8 @@ idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
 	bool		at_end;
 	int64		n;
 
-	if (ItemPointerGetBlockNumberNoCheck(&purge_cursor) == 0 &&
-		ItemPointerGetOffsetNumberNoCheck(&purge_cursor) == 0)
-		pass_least_left = DT_NOEND;
 	n = idem_keytable_purge_batch(now, limit, &purge_cursor, &at_end,
-								  &pass_least_left);
+								  &pass_ranges);
 	if (at_end)
 		ItemPointerSet(&purge_cursor, 0, 0);
 	*pass_done = at_end;
@@ -92,22 +95,24 @@ idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
 bool
 idem_purge_pass_start(TimestampTz now)
 {
-	if (idem_stats_expiry_after(now, IDEM_PURGE_FULL_PASS_SECS * USECS_PER_SEC))
-	{
-		KeyTable	kt;
+	TimestampTz max_age = IDEM_PURGE_FULL_PASS_SECS * USECS_PER_SEC;
+	KeyTable	kt;
+	BlockNumber nblocks;
 
-		/*
-		 * Open the table all the same, with the lock a pass takes: a table
-		 * idem cannot use (an index or trigger added since) fails the pass
-		 * and is reported in idem_stats, as a pass that reads it is.
-		 */
-		idem_keytable_open(&kt, "idem_purge()", NULL, NULL,
-						   idem_keytable_write_lockmode());
-		idem_keytable_close(&kt);
+	/*
+	 * Open the table with the lock a pass takes also when the pass ends
+	 * here: a table idem cannot use (an index or trigger added since) fails
+	 * the pass and is reported in idem_stats, as a pass that reads it is.
+	 */
+	idem_keytable_open(&kt, "idem_purge()", NULL, NULL,
+					   idem_keytable_write_lockmode());
+	nblocks = idem_keytable_nblocks(&kt);
+	idem_keytable_close(&kt);
+	if (idem_stats_expiry_after(now, max_age))
 		return false;
-	}
 	ItemPointerSet(&purge_cursor, 0, 0);
-	pass_number = idem_stats_expiry_pass_start();
+	pass_number = idem_stats_expiry_pass_start(now, max_age, nblocks,
+											   &pass_ranges, &pass_full);
 	return true;
 }
 
@@ -118,7 +123,8 @@ idem_purge_pass_start(TimestampTz now)
 void
 idem_purge_pass_end(void)
 {
-	idem_stats_expiry_pass_end(pass_number, pass_least_left);
+	idem_stats_expiry_pass_end(pass_number, pass_full, &pass_ranges);
+	pass_ranges.read_all = true;
 }
 
 /*
@@ -142,6 +148,7 @@ idem_purge(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_rows must not be negative")));
 
+	pass_ranges.read_all = true;
 	if (PG_ARGISNULL(0))
 		ItemPointerSet(&purge_cursor, 0, 0);
 	/* Started mid-table: the end of the table starts one more lap. */

@@ -86,6 +86,16 @@ typedef struct IdemDbStats
 	slock_t		pass_mutex;
 	uint32		pass_gen;		/* under pass_mutex */
 	TimestampTz expiry_known_at;	/* when min_expiry was set; under pass_mutex */
+
+	/*
+	 * The expiry map (stats.h): range_min[r] and range_pass_min[r] are to
+	 * the blocks of range r what min_expiry and pass_min are to the table.
+	 * range_shift is set by a pass that reads the whole table, before it
+	 * reads it.
+	 */
+	pg_atomic_uint32 range_shift;
+	pg_atomic_uint64 range_min[IDEM_PURGE_RANGES];
+	pg_atomic_uint64 range_pass_min[IDEM_PURGE_RANGES];
 } IdemDbStats;
 
 /* A slot as the stats file keeps it. */
@@ -225,6 +235,12 @@ stats_shmem_startup(void)
 			pg_atomic_init_u64(&stats->dbs[i].min_expiry, 0);
 			pg_atomic_init_u64(&stats->dbs[i].pass_min, 0);
 			SpinLockInit(&stats->dbs[i].pass_mutex);
+			pg_atomic_init_u32(&stats->dbs[i].range_shift, 0);
+			for (j = 0; j < IDEM_PURGE_RANGES; j++)
+			{
+				pg_atomic_init_u64(&stats->dbs[i].range_min[j], 0);
+				pg_atomic_init_u64(&stats->dbs[i].range_pass_min[j], 0);
+			}
 		}
 		stats_load();
 	}
@@ -606,16 +622,20 @@ idem_stats_add(IdemStat stat, uint64 n)
 
 /*
  * A key of the current database was written (inserted or updated) with
- * this expiry: lower purge's watermark to it.  Called after the heap
- * write, so that a pass either reads the row or finds the expiry in
- * pass_min.  Costs two atomic reads when the expiry is later than both,
- * as almost every new expiry is.
+ * this expiry on block blkno: lower purge's watermark, and that of the
+ * block's range, to it.  Called after the heap write, so that a pass
+ * either reads the row or finds the expiry in pass_min and
+ * range_pass_min.  A writer that reads the range size from before a pass
+ * that reads the whole table changed it wrote its row before that pass
+ * started, so the pass reads the row.  Costs five atomic reads when the
+ * expiry is later than the watermarks, as almost every new expiry is.
  */
 void
-idem_stats_expiry_note(TimestampTz expires_at)
+idem_stats_expiry_note(TimestampTz expires_at, uint32 blkno)
 {
 	uint64		key = expiry_key(expires_at);
 	IdemDbStats *slot = current_slot();
+	int			r;
 
 	if (slot == NULL)
 		return;
@@ -623,6 +643,9 @@ idem_stats_expiry_note(TimestampTz expires_at)
 	pg_memory_barrier();
 	atomic_lower(&slot->pass_min, key);
 	atomic_lower(&slot->min_expiry, key);
+	r = idem_purge_range_of(pg_atomic_read_u32(&slot->range_shift), blkno);
+	atomic_lower(&slot->range_pass_min[r], key);
+	atomic_lower(&slot->range_min[r], key);
 }
 
 /*
@@ -661,50 +684,113 @@ idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
 }
 
 /*
- * A purge pass over the current database's whole table starts: returns
- * the number to give idem_stats_expiry_pass_end.
+ * A purge pass of the worker over the current database's table starts,
+ * at now, on a table of nblocks blocks.  It reads the whole table (*full)
+ * if the watermark is not known or was set more than max_age ago, and
+ * then sizes the ranges anew for nblocks; otherwise it reads the ranges
+ * whose watermark is at or before now.  Fills in *ranges and returns the
+ * number to give idem_stats_expiry_pass_end.
+ *
+ * A range's pass_min is started afresh after the pass is numbered and
+ * before the pass reads the range: a write whose note it drops wrote its
+ * row before that, and the pass reads it.
  */
 uint32
-idem_stats_expiry_pass_start(void)
+idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
+							 uint32 nblocks, IdemPurgeRanges *ranges,
+							 bool *full)
 {
 	IdemDbStats *slot;
 	uint32		gen;
+	uint32		shift;
+	int			r;
 
+	ranges->read_all = true;
+	ranges->unknown = false;
+	ranges->shift = 0;
+	for (r = 0; r < IDEM_PURGE_RANGES; r++)
+	{
+		ranges->read[r] = true;
+		ranges->least_left[r] = DT_NOEND;
+	}
+	*full = true;
 	if ((slot = current_slot()) == NULL)
 		return 0;
+
 	SpinLockAcquire(&slot->pass_mutex);
 	gen = ++slot->pass_gen;
 	pg_atomic_exchange_u64(&slot->pass_min, PG_UINT64_MAX);
+	*full = slot->expiry_known_at == 0 || now - slot->expiry_known_at >= max_age;
 	SpinLockRelease(&slot->pass_mutex);
+
+	if (*full)
+	{
+		/* Ranges for a table up to twice this size. */
+		for (shift = 0; shift < 22 &&
+			 ((uint64) nblocks * 2) >> shift > IDEM_PURGE_RANGES; shift++)
+			;
+		pg_atomic_write_u32(&slot->range_shift, shift);
+	}
+	else
+		shift = pg_atomic_read_u32(&slot->range_shift);
+	ranges->shift = shift;
+	ranges->read_all = *full;
+	for (r = 0; r < IDEM_PURGE_RANGES; r++)
+	{
+		ranges->read[r] = *full ||
+			expiry_of_key(pg_atomic_read_u64(&slot->range_min[r])) <= now;
+		if (ranges->read[r])
+			pg_atomic_write_u64(&slot->range_pass_min[r], PG_UINT64_MAX);
+	}
+	/* The resets are seen before the pass reads a page. */
+	pg_memory_barrier();
 	return gen;
 }
 
 /*
- * The pass that idem_stats_expiry_pass_start numbered gen read the whole
- * table, committed its deletions, and left no key that expires before
- * least_left (DT_NOBEGIN: not known) in what it read.  Keys written since
- * it started are in pass_min: set the watermark to the lesser, unless
- * another pass started meanwhile.  A write that lowered min_expiry before
- * this sets it had lowered pass_min before that: the second look at
- * pass_min lowers the watermark again.
+ * The pass that idem_stats_expiry_pass_start numbered gen read what it
+ * was to read, committed its deletions, and left in each range it read no
+ * key that expires before ranges->least_left.  Keys written since it
+ * started are in the range's pass_min: set each range's watermark to the
+ * lesser, then the table's to the least of the ranges', unless another
+ * pass started meanwhile.  A write that lowered a watermark before this
+ * sets it had lowered the pass_min before that: the second look at
+ * pass_min lowers the watermark again.  Only a pass that read the whole
+ * table makes the watermark known for another max_age.
  */
 void
-idem_stats_expiry_pass_end(uint32 gen, TimestampTz least_left)
+idem_stats_expiry_pass_end(uint32 gen, bool full,
+						   const IdemPurgeRanges *ranges)
 {
 	IdemDbStats *slot;
 	TimestampTz now = GetCurrentTimestamp();
+	uint64		least = PG_UINT64_MAX;
+	int			r;
 
-	if ((slot = current_slot()) == NULL)
+	if ((slot = current_slot()) == NULL || ranges->unknown)
 		return;
 	SpinLockAcquire(&slot->pass_mutex);
-	if (slot->pass_gen == gen && least_left != DT_NOBEGIN)
+	if (slot->pass_gen == gen && (full || slot->expiry_known_at != 0))
 	{
-		uint64		key = Min(expiry_key(least_left),
-							  pg_atomic_read_u64(&slot->pass_min));
+		for (r = 0; r < IDEM_PURGE_RANGES; r++)
+		{
+			uint64		key;
 
-		pg_atomic_exchange_u64(&slot->min_expiry, key);
+			if (ranges->read[r])
+			{
+				key = Min(expiry_key(ranges->least_left[r]),
+						  pg_atomic_read_u64(&slot->range_pass_min[r]));
+				pg_atomic_exchange_u64(&slot->range_min[r], key);
+				atomic_lower(&slot->range_min[r],
+							 pg_atomic_read_u64(&slot->range_pass_min[r]));
+			}
+			least = Min(least, pg_atomic_read_u64(&slot->range_min[r]));
+		}
+		pg_atomic_exchange_u64(&slot->min_expiry,
+							   Min(least, pg_atomic_read_u64(&slot->pass_min)));
 		atomic_lower(&slot->min_expiry, pg_atomic_read_u64(&slot->pass_min));
-		slot->expiry_known_at = now;
+		if (full)
+			slot->expiry_known_at = now;
 	}
 	SpinLockRelease(&slot->pass_mutex);
 }

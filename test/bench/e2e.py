@@ -18,8 +18,9 @@ psycopg 3 from N worker processes, each worker on its own connection(s):
 Each round runs, for each pattern in turn, new keys then replays of the
 same keys, so the patterns share the machine's state of the moment
 (interleaved).  Prints one line per pattern and phase:
-"pattern phase requests_per_s server_cpu_us_per_request", medians of
-the rounds.  Server CPU: the PostgreSQL cluster's processes (postmaster
+"pattern phase requests_per_s server_cpu_us_per_request rps_spread",
+medians of the rounds, and the spread of the rounds' requests/s: (max -
+min) / median.  Server CPU: the PostgreSQL cluster's processes (postmaster
 children, by their /proc/PID/stat) and the Redis server, summed over the
 phase while every worker holds its connections open.
 
@@ -214,7 +215,8 @@ def main():
     for (pattern, phase), values in results.items():
         rps = statistics.median(v[0] for v in values)
         cpu = statistics.median(v[1] for v in values)
-        print("%s %s %.0f %.1f" % (pattern, phase, rps, cpu))
+        spread = (max(v[0] for v in values) - min(v[0] for v in values)) / rps if rps else 0
+        print("%s %s %.0f %.1f %.3f" % (pattern, phase, rps, cpu, spread))
 
 
 if __name__ == "__main__":

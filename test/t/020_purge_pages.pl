@@ -47,7 +47,7 @@ my ($stdout, $stderr);
 $node->psql('postgres', 'SET client_min_messages = debug1; SELECT idem_purge()',
 	stdout => \$stdout, stderr => \$stderr, on_error_die => 1);
 is($stdout, '10', 'idem_purge() deleted the ten expired keys');
-my @ranges = $stderr =~ /idem purge batch of "keys": blocks (\d+) to (\d+) of \d+, \d+ rows deleted/g;
+my @ranges = $stderr =~ /idem purge batch of "keys": blocks (\d+) to (\d+) of \d+, \d+ read, \d+ rows deleted/g;
 my @pairs;
 push @pairs, [ splice(@ranges, 0, 2) ] while @ranges;
 is(scalar @pairs, $batches, "$batches batches of at most $batch_pages pages");

@@ -1,7 +1,8 @@
 # The purge worker skips a pass when no key can have expired yet, without
-# reading the table: every write of a key lowers a watermark in shared
-# memory to the key's expiry, and a pass that read the whole table raises
-# it to the least expiry it left.  Keys written while passes run are still
+# reading the table, and otherwise reads only the ranges of blocks where
+# one can have: every write of a key lowers a watermark in shared memory
+# to the key's expiry, for the table and for the key's range of blocks,
+# and a pass raises those of what it read to the least expiry it left.  Keys written while passes run are still
 # purged once they expire; INSERT, UPDATE and COPY into the table make the
 # watermark unknown.
 use strict;
@@ -23,6 +24,22 @@ sub batches_since
 	my ($offset) = @_;
 	my @lines = slurp_file($node->logfile, $offset) =~ /$batch_line/g;
 	return scalar @lines;
+}
+
+# Pages read by the worker's batches since offset, the table's pages as
+# the last of them saw it, and the number of batches.
+sub pages_read_since
+{
+	my ($offset) = @_;
+	my ($read, $of, $n) = (0, 0, 0);
+	for my $line (split /\n/, slurp_file($node->logfile, $offset))
+	{
+		next unless $line =~ /$batch_line: blocks \d+ to \d+ of (\d+), (\d+) read/;
+		$of = $1;
+		$read += $2;
+		$n++;
+	}
+	return ($read, $of, $n);
 }
 
 sub purge_runs
@@ -51,6 +68,9 @@ SELECT count(*) FROM generate_series(1, 20000) g, idem_begin('live-' || g, 'f');
 # known after a start until a pass has read what is there.
 wait_passes(2);
 cmp_ok(batches_since($offset), '>', 0, 'a pass read the table');
+my ($read, $of, $nbatches) = pages_read_since($offset);
+ok($nbatches > 0 && $read >= $of,
+	"the first passes read every page ($read pages read, table of $of)");
 
 # From then on, passes find nothing to read.
 $offset = -s $node->logfile;
@@ -87,6 +107,29 @@ SELECT idem_complete('old-2', 'f', 200, '\x7b7d',
 ok($node->poll_query_until('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key = 'old-2'", '0'),
 	'a key completed with an expiry in the past is purged');
+
+# A pass reads only the ranges of blocks where a key can have expired:
+# a key in the middle of the table completed with an expiry in the past
+# is purged by a pass that reads a few of the table's pages.
+my $pages = $node->safe_psql('postgres',
+	"SELECT pg_relation_size('idem.keys') / current_setting('block_size')::int");
+my $mid = $node->safe_psql('postgres',
+	"SELECT (ctid::text::point)[0] FROM idem.keys WHERE key = 'live-10000'");
+cmp_ok($mid, '>', $pages / 4, "live-10000 is in the middle of the table (block $mid of $pages)");
+$offset = -s $node->logfile;
+$node->safe_psql('postgres', q{
+SET idem.clock_offset = '-2d';
+SELECT idem_complete('live-10000', 'f', 200, '\x7b7d',
+	(SELECT token FROM idem.keys WHERE key = 'live-10000'), retention => '1s') IS NOT NULL;
+});
+ok($node->poll_query_until('postgres',
+		"SELECT count(*) FROM idem.keys WHERE key = 'live-10000'", '0'),
+	'the key in the middle of the table is purged');
+($read, $of, $nbatches) = pages_read_since($offset);
+ok($nbatches > 0 && $read > 0 && $read < $pages / 8,
+	"the passes since read $read of the table's $pages pages in $nbatches batches");
+is($node->safe_psql('postgres', "SELECT count(*) FROM idem.keys WHERE key LIKE 'live-%'"),
+	'19999', 'the other live keys stay');
 
 # Keys written while passes run: four clients claim short-lived keys for
 # ten seconds, a pass a second.  Once the writes stop and the keys
@@ -149,7 +192,7 @@ $node->safe_psql('postgres', "DELETE FROM idem.keys WHERE key = 'live-3'");
 wait_passes(2);
 is(batches_since($offset), 0, 'after a DELETE, passes still skip the table');
 is($node->safe_psql('postgres', 'SELECT count(*) FROM idem.keys'),
-	'19997', 'the other live keys stay');
+	'19996', 'the other live keys stay');
 
 # A pass with nothing to read still opens the table: an index idem does
 # not maintain, added while passes skip, is reported in idem_stats.
