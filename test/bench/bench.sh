@@ -291,7 +291,7 @@ pk=() pdk=()
 for r in $(seq "$runs"); do
 	log_from=$(stat -c %s "$dir/server.log")
 	sql "SET idem.clock_offset = '-2d'; SELECT count(*) FROM generate_series(1, $k) g,
-		LATERAL idem_begin('x$r-' || g, 'fp', retention => '1s') b,
+		LATERAL idem_begin('x$r-' || g, 'fp', lease => '1s', retention => '1s') b,
 		LATERAL idem_complete('x$r-' || g, 'fp', 200, '\\x6f6b'::bytea, b.token, '1s') c" >/dev/null
 	for _ in $(seq 600); do
 		[ "$(sql "SELECT count(*) FROM idem.keys WHERE key LIKE 'x$r-%'")" = 0 ] && break
