@@ -35,6 +35,7 @@
 #include "postgres.h"
 
 #include "catalog/namespace.h"
+#include "commands/defrem.h"
 #include "executor/executor.h"
 #include "fmgr.h"
 #include "nodes/parsenodes.h"
@@ -213,7 +214,55 @@ purge_ExecutorEnd(QueryDesc *queryDesc)
 	}
 }
 
-/* After COPY into idem.keys, make the watermark unknown. */
+/*
+ * Whether a utility statement rewrites idem.keys, moving rows to other
+ * blocks without idem noting their expiry there: VACUUM FULL or CLUSTER
+ * of the table or of every table.
+ */
+static bool
+rewrites_keys(Node *parsetree)
+{
+	Oid			keys;
+	VacuumStmt *vacuum;
+	bool		full = false;
+	ListCell   *lc;
+
+	if (!IsA(parsetree, ClusterStmt) && !IsA(parsetree, VacuumStmt))
+		return false;
+	if (!OidIsValid(keys = keys_relid()))
+		return false;
+	if (IsA(parsetree, ClusterStmt))
+	{
+		RangeVar   *rv = ((ClusterStmt *) parsetree)->relation;
+
+		return rv == NULL || RangeVarGetRelid(rv, NoLock, true) == keys;
+	}
+	vacuum = (VacuumStmt *) parsetree;
+	if (!vacuum->is_vacuumcmd)
+		return false;
+	foreach(lc, vacuum->options)
+	{
+		DefElem    *opt = lfirst_node(DefElem, lc);
+
+		if (strcmp(opt->defname, "full") == 0)
+			full = defGetBoolean(opt);
+	}
+	if (!full || vacuum->rels == NIL)
+		return full;
+	foreach(lc, vacuum->rels)
+	{
+		RangeVar   *rv = lfirst_node(VacuumRelation, lc)->relation;
+
+		if (rv != NULL && RangeVarGetRelid(rv, NoLock, true) == keys)
+			return true;
+	}
+	return false;
+}
+
+/*
+ * After COPY into idem.keys, make the watermark unknown; after VACUUM FULL
+ * or CLUSTER, which move rows to other blocks, make the ranges' unknown.
+ */
 static void
 purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
 					 bool readOnlyTree, ProcessUtilityContext context,
@@ -229,7 +278,9 @@ purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
 		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context,
 								params, queryEnv, dest, qc);
 
-	if (IsA(parsetree, CopyStmt) && ((CopyStmt *) parsetree)->is_from &&
+	if (rewrites_keys(parsetree))
+		idem_stats_expiry_forget();
+	else if (IsA(parsetree, CopyStmt) && ((CopyStmt *) parsetree)->is_from &&
 		((CopyStmt *) parsetree)->relation != NULL)
 	{
 		Oid			relid = RangeVarGetRelid(((CopyStmt *) parsetree)->relation,
