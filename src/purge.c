@@ -64,9 +64,6 @@ static IdemPurgeRanges pass_ranges = {.read_all = true};
 /* This backend's pass, as numbered by idem_stats_expiry_pass_start. */
 static uint32 pass_number = 0;
 
-/* Whether this backend's pass reads the whole table. */
-static bool pass_full = true;
-
 /*
  * Delete up to limit keys that expired at or before now, walking on from
  * the previous batch; a batch that reaches the end of the table ends the
@@ -113,7 +110,7 @@ idem_purge_pass_start(TimestampTz now)
 		return false;
 	ItemPointerSet(&purge_cursor, 0, 0);
 	pass_number = idem_stats_expiry_pass_start(now, max_age, nblocks,
-											   &pass_ranges, &pass_full);
+											   &pass_ranges);
 	return true;
 }
 
@@ -124,7 +121,7 @@ idem_purge_pass_start(TimestampTz now)
 void
 idem_purge_pass_end(void)
 {
-	idem_stats_expiry_pass_end(pass_number, pass_full, &pass_ranges);
+	idem_stats_expiry_pass_end(pass_number, &pass_ranges);
 	pass_ranges.read_all = true;
 }
 

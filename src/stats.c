@@ -685,8 +685,8 @@ idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
 
 /*
  * A purge pass of the worker over the current database's table starts,
- * at now, on a table of nblocks blocks.  It reads the whole table (*full)
- * if the watermark is not known or was set more than max_age ago, and
+ * at now, on a table of nblocks blocks.  It reads the whole table
+ * (ranges->read_all) if the watermark is not known or was set more than max_age ago, and
  * then sizes the ranges anew for nblocks; otherwise it reads the ranges
  * whose watermark is at or before now.  Fills in *ranges and returns the
  * number to give idem_stats_expiry_pass_end.
@@ -697,12 +697,12 @@ idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
  */
 uint32
 idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
-							 uint32 nblocks, IdemPurgeRanges *ranges,
-							 bool *full)
+							 uint32 nblocks, IdemPurgeRanges *ranges)
 {
 	IdemDbStats *slot;
 	uint32		gen;
 	uint32		shift;
+	bool		full;
 	int			r;
 
 	ranges->read_all = true;
@@ -713,17 +713,16 @@ idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
 		ranges->read[r] = true;
 		ranges->least_left[r] = DT_NOEND;
 	}
-	*full = true;
 	if ((slot = current_slot()) == NULL)
 		return 0;
 
 	SpinLockAcquire(&slot->pass_mutex);
 	gen = ++slot->pass_gen;
 	pg_atomic_exchange_u64(&slot->pass_min, PG_UINT64_MAX);
-	*full = slot->expiry_known_at == 0 || now - slot->expiry_known_at >= max_age;
+	full = slot->expiry_known_at == 0 || now - slot->expiry_known_at >= max_age;
 	SpinLockRelease(&slot->pass_mutex);
 
-	if (*full)
+	if (full)
 	{
 		/* Ranges for a table up to twice this size. */
 		for (shift = 0; shift < 22 &&
@@ -734,10 +733,10 @@ idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
 	else
 		shift = pg_atomic_read_u32(&slot->range_shift);
 	ranges->shift = shift;
-	ranges->read_all = *full;
+	ranges->read_all = full;
 	for (r = 0; r < IDEM_PURGE_RANGES; r++)
 	{
-		ranges->read[r] = *full ||
+		ranges->read[r] = full ||
 			expiry_of_key(pg_atomic_read_u64(&slot->range_min[r])) <= now;
 		if (ranges->read[r])
 			pg_atomic_write_u64(&slot->range_pass_min[r], PG_UINT64_MAX);
@@ -759,9 +758,9 @@ idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
  * table makes the watermark known for another max_age.
  */
 void
-idem_stats_expiry_pass_end(uint32 gen, bool full,
-						   const IdemPurgeRanges *ranges)
+idem_stats_expiry_pass_end(uint32 gen, const IdemPurgeRanges *ranges)
 {
+	bool		full = ranges->read_all;
 	IdemDbStats *slot;
 	TimestampTz now = GetCurrentTimestamp();
 	uint64		least = PG_UINT64_MAX;

@@ -59,7 +59,8 @@ extern uint64 idem_stats_start_failed(Oid dboid, const char *reason);
 
 typedef struct IdemPurgeRanges
 {
-	bool		read_all;		/* read every block; read[] unused */
+	bool		read_all;		/* read every block (a full pass); read[]
+								 * unused */
 	bool		unknown;		/* least_left not known (Citus shards) */
 	uint32		shift;			/* log2 of the blocks in a range */
 	bool		read[IDEM_PURGE_RANGES];
@@ -80,9 +81,8 @@ extern void idem_stats_expiry_forget(void);
 extern bool idem_stats_expiry_after(TimestampTz now, TimestampTz max_age);
 extern uint32 idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
 										   uint32 nblocks,
-										   IdemPurgeRanges *ranges,
-										   bool *full);
-extern void idem_stats_expiry_pass_end(uint32 gen, bool full,
+										   IdemPurgeRanges *ranges);
+extern void idem_stats_expiry_pass_end(uint32 gen,
 									   const IdemPurgeRanges *ranges);
 extern int	idem_stats_databases(Oid *oids);
 extern void idem_stats_forget(Oid dboid);

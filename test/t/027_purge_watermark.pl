@@ -42,6 +42,20 @@ sub pages_read_since
 	return ($read, $of, $n);
 }
 
+# Store a response for the claimed key with a retention that has already
+# run out, and wait until the worker has purged it.
+sub complete_expired
+{
+	my ($key, $what) = @_;
+	$node->safe_psql('postgres', qq{
+SET idem.clock_offset = '-2d';
+SELECT idem_complete('$key', 'f', 200, '\\x7b7d',
+	(SELECT token FROM idem.keys WHERE key = '$key'), retention => '1s') IS NOT NULL;
+});
+	ok($node->poll_query_until('postgres',
+			"SELECT count(*) FROM idem.keys WHERE key = '$key'", '0'), $what);
+}
+
 sub purge_runs
 {
 	return $node->safe_psql('postgres',
@@ -99,14 +113,7 @@ wait_passes(2);
 $offset = -s $node->logfile;
 wait_passes(1);
 is(batches_since($offset), 0, 'passes skip the table while old-2 is in flight');
-$node->safe_psql('postgres', q{
-SET idem.clock_offset = '-2d';
-SELECT idem_complete('old-2', 'f', 200, '\x7b7d',
-	(SELECT token FROM idem.keys WHERE key = 'old-2'), retention => '1s') IS NOT NULL;
-});
-ok($node->poll_query_until('postgres',
-		"SELECT count(*) FROM idem.keys WHERE key = 'old-2'", '0'),
-	'a key completed with an expiry in the past is purged');
+complete_expired('old-2', 'a key completed with an expiry in the past is purged');
 
 # A pass reads only the ranges of blocks where a key can have expired:
 # a key in the middle of the table completed with an expiry in the past
@@ -117,14 +124,7 @@ my $mid = $node->safe_psql('postgres',
 	"SELECT (ctid::text::point)[0] FROM idem.keys WHERE key = 'live-10000'");
 cmp_ok($mid, '>', $pages / 4, "live-10000 is in the middle of the table (block $mid of $pages)");
 $offset = -s $node->logfile;
-$node->safe_psql('postgres', q{
-SET idem.clock_offset = '-2d';
-SELECT idem_complete('live-10000', 'f', 200, '\x7b7d',
-	(SELECT token FROM idem.keys WHERE key = 'live-10000'), retention => '1s') IS NOT NULL;
-});
-ok($node->poll_query_until('postgres',
-		"SELECT count(*) FROM idem.keys WHERE key = 'live-10000'", '0'),
-	'the key in the middle of the table is purged');
+complete_expired('live-10000', 'the key in the middle of the table is purged');
 ($read, $of, $nbatches) = pages_read_since($offset);
 ok($nbatches > 0 && $read > 0 && $read < $pages / 8,
 	"the passes since read $read of the table's $pages pages in $nbatches batches");
