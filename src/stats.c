@@ -686,9 +686,9 @@ idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
 /*
  * A purge pass of the worker over the current database's table starts,
  * at now, on a table of nblocks blocks.  It reads the whole table
- * (ranges->read_all) if the watermark is not known or was set more than max_age ago, and
- * then sizes the ranges anew for nblocks; otherwise it reads the ranges
- * whose watermark is at or before now.  Fills in *ranges and returns the
+ * (ranges->read_all) if the watermark is not known or was set more than
+ * max_age ago, and then sizes the ranges anew for nblocks; otherwise it
+ * reads the ranges whose watermark is at or before now.  Fills in *ranges and returns the
  * number to give idem_stats_expiry_pass_end.
  *
  * A range's pass_min is started afresh after the pass is numbered and
@@ -709,10 +709,7 @@ idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
 	ranges->unknown = false;
 	ranges->shift = 0;
 	for (r = 0; r < IDEM_PURGE_RANGES; r++)
-	{
-		ranges->read[r] = true;
 		ranges->least_left[r] = DT_NOEND;
-	}
 	if ((slot = current_slot()) == NULL)
 		return 0;
 

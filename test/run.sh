@@ -70,13 +70,14 @@ fi
 regress=$(grep -Ec '^(test|     ) .*\.\.\. ok|^ok [0-9]+ +[-+] ' "$log")
 tap=$(sed -n 's/^Files=[0-9]*, Tests=\([0-9]*\),.*/\1/p' "$log" | awk '{n += $1} END {print n + 0}')
 passed=$((regress + tap))
-failed=$(grep -Ec '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)' "$log")
+fail_re='\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)'
+failed=$(grep -Ec "$fail_re" "$log")
 # Every make installcheck exited 0 (a failure it did not count still fails).
 { grep -q "^exit status 0$" "$log" && ! grep -q "^exit status [1-9]" "$log"; } ||
 	[ "$failed" -gt 0 ] || failed=1
 # What failed, last, where a log's tail shows it: the failing cases and
 # tests of every suite and each client suite's count.
-failures=$(grep -hE '\.\.\. FAILED|^not ok |Dubious|^Result: FAIL|failed \(ignored\)|^--- FAIL|^(FAILED|ERROR) |^exit status [1-9]|did not (answer|start)|^test\.sh: |^go client: |^[0-9]+ passed, [1-9][0-9]* failed$' \
+failures=$(grep -hE "$fail_re"'|^--- FAIL|^(FAILED|ERROR) |^exit status [1-9]|did not (answer|start)|^test\.sh: |^go client: |^[0-9]+ passed, [1-9][0-9]* failed$' \
 	"$log" "$log.clients" 2>/dev/null | head -n 40)
 [ -f "$log.clients" ] && echo "== suites" &&
 	awk '/^== / { name = $2 } /^[0-9]+ passed, [0-9]+ failed$/ { last = $0 }
