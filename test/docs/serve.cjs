@@ -12,7 +12,7 @@ const listen = http.Server.prototype.listen;
 function post(port) {
   return new Promise((resolve, reject) => {
     const body = '{"sku":"A","qty":1}';
-    const req = http.request({ port, path, method: 'POST', headers: {
+    const req = http.request({ host: '127.0.0.1', port, path, method: 'POST', headers: {
       'Content-Type': 'application/json', 'Content-Length': Buffer.byteLength(body),
       'Idempotency-Key': 'docs-serve-1' } }, (res) => {
       const chunks = [];
