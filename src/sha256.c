@@ -17,6 +17,8 @@
  */
 #include "postgres.h"
 
+#include "port/pg_bswap.h"
+
 #include "sha256.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -40,6 +42,24 @@ static const uint32 sha256_k[64] = {
 };
 
 #define ROTR(x, n)	(((x) >> (n)) | ((x) << (32 - (n))))
+#define CH(x, y, z)	((z) ^ ((x) & ((y) ^ (z))))
+#define MAJ(x, y, z)	(((x) & (y)) | ((z) & ((x) | (y))))
+#define BSIG0(x)	(ROTR(x, 2) ^ ROTR(x, 13) ^ ROTR(x, 22))
+#define BSIG1(x)	(ROTR(x, 6) ^ ROTR(x, 11) ^ ROTR(x, 25))
+#define SSIG0(x)	(ROTR(x, 7) ^ ROTR(x, 18) ^ ((x) >> 3))
+#define SSIG1(x)	(ROTR(x, 17) ^ ROTR(x, 19) ^ ((x) >> 10))
+
+/*
+ * One round.  Instead of moving the eight working variables along after
+ * each round, the callers rename them: round i + 1 passes (h, a, ..., g)
+ * where round i passed (a, b, ..., h).
+ */
+#define ROUND(a, b, c, d, e, f, g, h, i) \
+	do { \
+		uint32		t1_ = (h) + BSIG1(e) + CH(e, f, g) + sha256_k[i] + w[i]; \
+		(d) += t1_; \
+		(h) = t1_ + BSIG0(a) + MAJ(a, b, c); \
+	} while (0)
 
 /* Fold one 64-byte block into the state. */
 static void
@@ -50,15 +70,14 @@ sha256_block(uint32 *state, const uint8 *block)
 	int			i;
 
 	for (i = 0; i < 16; i++)
-		w[i] = ((uint32) block[i * 4] << 24) | ((uint32) block[i * 4 + 1] << 16) |
-			((uint32) block[i * 4 + 2] << 8) | (uint32) block[i * 4 + 3];
-	for (i = 16; i < 64; i++)
 	{
-		uint32		s0 = ROTR(w[i - 15], 7) ^ ROTR(w[i - 15], 18) ^ (w[i - 15] >> 3);
-		uint32		s1 = ROTR(w[i - 2], 17) ^ ROTR(w[i - 2], 19) ^ (w[i - 2] >> 10);
+		uint32		word;
 
-		w[i] = w[i - 16] + s0 + w[i - 7] + s1;
+		memcpy(&word, block + i * 4, sizeof(word));
+		w[i] = pg_ntoh32(word);
 	}
+	for (i = 16; i < 64; i++)
+		w[i] = w[i - 16] + SSIG0(w[i - 15]) + w[i - 7] + SSIG1(w[i - 2]);
 
 	a = state[0];
 	b = state[1];
@@ -68,21 +87,16 @@ sha256_block(uint32 *state, const uint8 *block)
 	f = state[5];
 	g = state[6];
 	h = state[7];
-	for (i = 0; i < 64; i++)
+	for (i = 0; i < 64; i += 8)
 	{
-		uint32		t1 = h + (ROTR(e, 6) ^ ROTR(e, 11) ^ ROTR(e, 25)) +
-			((e & f) ^ (~e & g)) + sha256_k[i] + w[i];
-		uint32		t2 = (ROTR(a, 2) ^ ROTR(a, 13) ^ ROTR(a, 22)) +
-			((a & b) ^ (a & c) ^ (b & c));
-
-		h = g;
-		g = f;
-		f = e;
-		e = d + t1;
-		d = c;
-		c = b;
-		b = a;
-		a = t1 + t2;
+		ROUND(a, b, c, d, e, f, g, h, i);
+		ROUND(h, a, b, c, d, e, f, g, i + 1);
+		ROUND(g, h, a, b, c, d, e, f, i + 2);
+		ROUND(f, g, h, a, b, c, d, e, i + 3);
+		ROUND(e, f, g, h, a, b, c, d, i + 4);
+		ROUND(d, e, f, g, h, a, b, c, i + 5);
+		ROUND(c, d, e, f, g, h, a, b, i + 6);
+		ROUND(b, c, d, e, f, g, h, a, i + 7);
 	}
 	state[0] += a;
 	state[1] += b;
