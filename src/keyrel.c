@@ -71,6 +71,7 @@
 #include "utils/lsyscache.h"
 #include "utils/memutils.h"
 #include "utils/rel.h"
+#include "utils/resowner.h"
 #include "utils/syscache.h"
 
 #include "citus.h"
@@ -522,6 +523,175 @@ open_shard(KeyTable *kt, Oid relid)
 }
 
 /*
+ * idem.keys and its indexes, kept open for the rest of the transaction.
+ *
+ * Every call on a key would otherwise look up, lock and open the table and
+ * its indexes, and close them again: a batch of calls in one statement (a
+ * LATERAL join), or a claim and its completion in one transaction, pays
+ * for that on every call, where the executor opens a relation once per
+ * statement.  The first call of a transaction keeps references to the
+ * relations it opened, held by the transaction's resource owner; the later
+ * calls use them while
+ *
+ * - the lock the call needs is held: locks stay until the transaction
+ *	 ends, except those a subtransaction took, which go with its abort; so
+ *	 after any subtransaction's abort the next call takes its locks again
+ *	 (lock before you look);
+ * - no invalidation touched the table, its indexes or the sequence since
+ *	 they were opened (the shape check's count), checked after the lock:
+ *	 DDL committed by others is seen when a lock is taken.
+ *
+ * The references are dropped before any utility statement, so that DDL on
+ * the table in the same transaction finds it unused as without them
+ * (purge.c's ProcessUtility hook calls idem_keytable_cache_close), and
+ * before the transaction commits or prepares; an abort releases them with
+ * the resource owner.  Only with shared_preload_libraries, where that hook
+ * is installed; and not for a distributed table, whose shards differ per
+ * key.
+ */
+typedef struct KeyRelCache
+{
+	bool		open;			/* holds the references below */
+	bool		locked;			/* lockmode is held on all of them */
+	LOCKMODE	lockmode;
+	uint64		inval_count;	/* keys_inval_count when opened */
+	Relation	rel;
+	int			nindexes;
+	Relation	indexes[IDEM_MAX_INDEXES];
+	IndexInfo  *index_infos[IDEM_MAX_INDEXES];
+	bool		index_key_first[IDEM_MAX_INDEXES];
+} KeyRelCache;
+
+static KeyRelCache keys_cache;
+static bool keys_cache_enabled = false;
+
+/* Drop the references the transaction keeps, if any. */
+void
+idem_keytable_cache_close(void)
+{
+	ResourceOwner save;
+	int			i;
+
+	if (!keys_cache.open)
+		return;
+	keys_cache.open = false;
+	save = CurrentResourceOwner;
+	CurrentResourceOwner = TopTransactionResourceOwner;
+	for (i = 0; i < keys_cache.nindexes; i++)
+		index_close(keys_cache.indexes[i], NoLock);
+	table_close(keys_cache.rel, NoLock);
+	CurrentResourceOwner = save;
+}
+
+static void
+cache_xact_callback(XactEvent event, void *arg)
+{
+	switch (event)
+	{
+		case XACT_EVENT_ABORT:
+		case XACT_EVENT_PARALLEL_ABORT:
+			/* released with TopTransactionResourceOwner, without warnings */
+			keys_cache.open = false;
+			break;
+		default:
+			/* before the commit's release, which warns of what is left */
+			idem_keytable_cache_close();
+			break;
+	}
+}
+
+/* The locks a subtransaction took go with its abort. */
+static void
+cache_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
+					   SubTransactionId parentSubid, void *arg)
+{
+	if (event == SUBXACT_EVENT_ABORT_SUB)
+		keys_cache.locked = false;
+}
+
+/* Keep relations open per transaction (with shared_preload_libraries). */
+void
+idem_keytable_cache_enable(void)
+{
+	RegisterXactCallback(cache_xact_callback, NULL);
+	RegisterSubXactCallback(cache_subxact_callback, NULL);
+	keys_cache_enabled = true;
+}
+
+/*
+ * Keep references to the relations kt opened, held by the transaction's
+ * resource owner; kt's own are closed as usual.
+ */
+static void
+cache_keep(KeyTable *kt)
+{
+	ResourceOwner save;
+	int			i;
+
+	if (!keys_cache_enabled || keys_cache.open ||
+		shape_checked != keys_inval_count + 1 ||
+		TopTransactionResourceOwner == NULL)
+		return;
+	save = CurrentResourceOwner;
+	CurrentResourceOwner = TopTransactionResourceOwner;
+	keys_cache.rel = relation_open(RelationGetRelid(kt->rel), NoLock);
+	for (i = 0; i < kt->nindexes; i++)
+	{
+		keys_cache.indexes[i] = index_open(RelationGetRelid(kt->indexes[i]), NoLock);
+		keys_cache.index_infos[i] = kt->index_infos[i];
+		keys_cache.index_key_first[i] = kt->index_key_first[i];
+	}
+	CurrentResourceOwner = save;
+	keys_cache.nindexes = kt->nindexes;
+	keys_cache.lockmode = kt->lockmode;
+	keys_cache.locked = true;
+	keys_cache.inval_count = keys_inval_count;
+	keys_cache.open = true;
+}
+
+/*
+ * Open kt on the relations the transaction keeps open, if they can be
+ * used (see KeyRelCache); false, having dropped them if they cannot, to
+ * open the table anew.
+ */
+static bool
+open_cached(KeyTable *kt, LOCKMODE lockmode)
+{
+	int			i;
+
+	if (!keys_cache.open)
+		return false;
+	if (!keys_cache.locked || keys_cache.lockmode < lockmode)
+	{
+		LockRelationOid(RelationGetRelid(keys_cache.rel), lockmode);
+		for (i = 0; i < keys_cache.nindexes; i++)
+			LockRelationOid(RelationGetRelid(keys_cache.indexes[i]), lockmode);
+		keys_cache.lockmode = lockmode;
+		keys_cache.locked = true;
+	}
+	if (keys_cache.inval_count != keys_inval_count ||
+		shape_checked != keys_inval_count + 1 || keys_distcol != 0)
+	{
+		idem_keytable_cache_close();
+		return false;
+	}
+	kt->rel = keys_cache.rel;
+	kt->lockmode = keys_cache.lockmode;
+	kt->nindexes = keys_cache.nindexes;
+	for (i = 0; i < keys_cache.nindexes; i++)
+	{
+		kt->indexes[i] = keys_cache.indexes[i];
+		kt->index_infos[i] = keys_cache.index_infos[i];
+		kt->index_key_first[i] = keys_cache.index_key_first[i];
+	}
+	kt->pkey = kt->indexes[0];
+	kt->pkey_key_first = kt->index_key_first[0];
+	kt->slot = table_slot_create(kt->rel, NULL);
+	kt->cached = true;
+	return true;
+}
+
+/*
  * The lock a call that may write takes on idem.keys: RowExclusiveLock, as
  * INSERT, UPDATE and DELETE do, unless the transaction is read-only (also
  * on a hot standby), where nothing will be written.
@@ -551,6 +721,16 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 {
 	uint64		inval_count;
 
+	kt->writable = false;
+	kt->what = what;
+	kt->scope = scope;
+	kt->key = key;
+	kt->distributed = false;
+	kt->token_floor = 0;
+	kt->cached = false;
+	if (key != NULL && open_cached(kt, lockmode))
+		return;
+
 	kt->rel = open_keys_relation(lockmode);
 	kt->lockmode = lockmode;
 	inval_count = keys_inval_count;
@@ -560,14 +740,8 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 		if (inval_count == keys_inval_count)
 			shape_checked = inval_count + 1;
 	}
-	kt->writable = false;
-	kt->what = what;
-	kt->scope = scope;
-	kt->key = key;
 	kt->nindexes = 0;
 	kt->pkey = NULL;
-	kt->distributed = false;
-	kt->token_floor = 0;
 	if (unlikely(keys_distcol != 0))
 	{
 		if (key != NULL)
@@ -578,13 +752,20 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 	else
 		open_indexes(kt, &keys_shape);
 	kt->slot = table_slot_create(kt->rel, NULL);
+	if (key != NULL && !kt->distributed)
+		cache_keep(kt);
 }
 
-/* Close what idem_keytable_open opened; the locks stay until the transaction ends. */
+/*
+ * Close what idem_keytable_open opened; the locks stay until the
+ * transaction ends, and so does what the transaction keeps open.
+ */
 void
 idem_keytable_close(KeyTable *kt)
 {
 	ExecDropSingleTupleTableSlot(kt->slot);
+	if (kt->cached)
+		return;
 	close_indexes(kt);
 	table_close(kt->rel, NoLock);
 }

@@ -77,6 +77,7 @@ typedef struct KeyTable
 	const char *what;			/* the SQL function, for error messages */
 	text	   *scope;			/* the key being worked on */
 	text	   *key;
+	bool		cached;			/* rel and indexes are the transaction's */
 } KeyTable;
 
 /* What a dirty probe of the primary key found for a key. */
@@ -136,6 +137,8 @@ extern LOCKMODE idem_keytable_write_lockmode(void);
 extern void idem_keytable_open(KeyTable *kt, const char *what, text *scope,
 							   text *key, LOCKMODE lockmode);
 extern void idem_keytable_close(KeyTable *kt);
+extern void idem_keytable_cache_enable(void);
+extern void idem_keytable_cache_close(void);
 
 /* The rows (keyrows.c) */
 extern bool idem_keytable_read(KeyTable *kt, KeyRow *row,

@@ -257,8 +257,10 @@ rewrites_keys(Node *parsetree)
 }
 
 /*
- * After COPY into idem.keys, make the watermark unknown; after VACUUM FULL
- * or CLUSTER, which move rows to other blocks, make the ranges' unknown.
+ * Before a utility statement, drop the references to idem.keys the
+ * transaction keeps (keyrel.c).  After COPY into idem.keys, make the
+ * watermark unknown; after VACUUM FULL or CLUSTER, which move rows to
+ * other blocks, make the ranges' unknown.
  */
 static void
 purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
@@ -268,6 +270,8 @@ purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
 {
 	Node	   *parsetree = pstmt->utilityStmt;
 
+	/* DDL on idem.keys in this transaction finds it unused by idem. */
+	idem_keytable_cache_close();
 	if (prev_ProcessUtility)
 		prev_ProcessUtility(pstmt, queryString, readOnlyTree, context,
 							params, queryEnv, dest, qc);
