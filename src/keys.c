@@ -535,6 +535,38 @@ interval_arg(FunctionCallInfo fcinfo, int argno)
 }
 
 /*
+ * A tuplestore for the one row of idem_begin, as InitMaterializedSRF
+ * (MAT_SRF_USE_EXPECTED_DESC) sets it up, but without a copy of the
+ * descriptor: setDesc is left NULL, so that the executor does not
+ * cross-check and free a copy on every call.  The row is formed with the
+ * executor's expectedDesc, the shape the SQL declaration gives.
+ */
+static Tuplestorestate *
+begin_result_store(FunctionCallInfo fcinfo)
+{
+	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
+	MemoryContext old;
+	Tuplestorestate *store;
+
+	if (rsinfo == NULL || !IsA(rsinfo, ReturnSetInfo))
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("set-valued function called in context that cannot accept a set")));
+	if (!(rsinfo->allowedModes & SFRM_Materialize) || rsinfo->expectedDesc == NULL)
+		ereport(ERROR,
+				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
+				 errmsg("materialize mode required, but it is not allowed in this context")));
+	old = MemoryContextSwitchTo(rsinfo->econtext->ecxt_per_query_memory);
+	store = tuplestore_begin_heap((rsinfo->allowedModes & SFRM_Materialize_Random) != 0,
+								  false, work_mem);
+	MemoryContextSwitchTo(old);
+	rsinfo->returnMode = SFRM_Materialize;
+	rsinfo->setResult = store;
+	rsinfo->setDesc = NULL;
+	return store;
+}
+
+/*
  * idem_begin(key, fingerprint, lease, retention, scope, wait): claim a key,
  * replay its stored response, or report it in flight or in conflict.
  */
@@ -547,6 +579,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	ClaimArgs	args;
 	ClaimResult res;
 	KeyTable	kt;
+	Tuplestorestate *store;
 	Datum		values[9];
 	bool		nulls[9];
 	instr_time	started;
@@ -590,7 +623,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	}
 	args.result_cxt = CurrentMemoryContext;
 
-	InitMaterializedSRF(fcinfo, MAT_SRF_USE_EXPECTED_DESC);
+	store = begin_result_store(fcinfo);
 
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
@@ -646,7 +679,7 @@ idem_begin(PG_FUNCTION_ARGS)
 		values[8] = PointerGetDatum(res.phase_data);
 		nulls[8] = false;
 	}
-	tuplestore_putvalues(rsinfo->setResult, rsinfo->setDesc, values, nulls);
+	tuplestore_putvalues(store, rsinfo->expectedDesc, values, nulls);
 	return (Datum) 0;
 }
 
