@@ -139,6 +139,24 @@ static AttrNumber keys_distcol = 0;
  */
 static HTAB *shard_shapes = NULL;
 
+/* What a transaction keeps open: see the comment above idem_keytable_cache_close. */
+typedef struct KeyRelCache
+{
+	bool		open;			/* holds the references below */
+	bool		complete;		/* all of them, after a good shape check */
+	bool		locked;			/* lockmode is held on all of them */
+	LOCKMODE	lockmode;
+	uint64		inval_count;	/* keys_inval_count when opened */
+	Relation	rel;
+	int			nindexes;
+	Relation	indexes[IDEM_MAX_INDEXES];
+	IndexInfo  *index_infos[IDEM_MAX_INDEXES];
+	bool		index_key_first[IDEM_MAX_INDEXES];
+} KeyRelCache;
+
+static KeyRelCache keys_cache;
+static bool keys_cache_enabled = false;
+
 /* Is relid one of the indexes of the shape? */
 static bool
 shape_has_index(KeyShape *shape, Oid relid)
@@ -207,13 +225,30 @@ lookup_keys_relid(void)
 }
 
 /*
+ * Open a relation already locked, its reference held by owner (the
+ * transaction's, for what it keeps open; see KeyRelCache).
+ */
+static Relation
+open_held_by(Oid relid, ResourceOwner owner)
+{
+	ResourceOwner save = CurrentResourceOwner;
+	Relation	rel;
+
+	CurrentResourceOwner = owner;
+	rel = relation_open(relid, NoLock);
+	CurrentResourceOwner = save;
+	return rel;
+}
+
+
+/*
  * Lock idem.keys and open it.  The OID is looked up again if the lock's
  * invalidations show that the table went away since it was cached (DROP
  * and CREATE EXTENSION in another session), as RangeVarGetRelidExtended
  * does.
  */
 static Relation
-open_keys_relation(LOCKMODE lockmode)
+open_keys_relation(LOCKMODE lockmode, ResourceOwner owner)
 {
 	int			attempt;
 
@@ -223,7 +258,7 @@ open_keys_relation(LOCKMODE lockmode)
 
 		LockRelationOid(relid, lockmode);
 		if (relid == keys_relid)
-			return relation_open(relid, NoLock);
+			return open_held_by(relid, owner);
 		UnlockRelationOid(relid, lockmode);
 	}
 	ereport(ERROR,
@@ -476,8 +511,9 @@ shard_shape(Relation shard)
  * that are not yet are not maintained, as the executor does).
  */
 static void
-open_indexes(KeyTable *kt, KeyShape *shape)
+open_indexes(KeyTable *kt, KeyShape *shape, bool keep)
 {
+	ResourceOwner owner = keep ? TopTransactionResourceOwner : CurrentResourceOwner;
 	int			i;
 
 	kt->nindexes = 0;
@@ -487,7 +523,10 @@ open_indexes(KeyTable *kt, KeyShape *shape)
 
 		if (i > 0 && !ki->info->ii_ReadyForInserts)
 			continue;
-		kt->indexes[kt->nindexes] = index_open(ki->relid, kt->lockmode);
+		LockRelationOid(ki->relid, kt->lockmode);
+		kt->indexes[kt->nindexes] = open_held_by(ki->relid, owner);
+		if (keep)
+			keys_cache.indexes[keys_cache.nindexes++] = kt->indexes[kt->nindexes];
 		kt->index_infos[kt->nindexes] = ki->info;
 		kt->index_key_first[kt->nindexes] = ki->key_first;
 		kt->nindexes++;
@@ -517,7 +556,7 @@ open_shard(KeyTable *kt, Oid relid)
 {
 	table_close(kt->rel, NoLock);
 	kt->rel = table_open(relid, kt->lockmode);
-	open_indexes(kt, shard_shape(kt->rel));
+	open_indexes(kt, shard_shape(kt->rel), false);
 	kt->distributed = true;
 	kt->token_floor = 0;
 }
@@ -529,8 +568,8 @@ open_shard(KeyTable *kt, Oid relid)
  * its indexes, and close them again: a batch of calls in one statement (a
  * LATERAL join), or a claim and its completion in one transaction, pays
  * for that on every call, where the executor opens a relation once per
- * statement.  The first call of a transaction keeps references to the
- * relations it opened, held by the transaction's resource owner; the later
+ * statement.  The first call of a transaction opens them with references
+ * held by the transaction's resource owner, and keeps them; the later
  * calls use them while
  *
  * - the lock the call needs is held: locks stay until the transaction
@@ -549,21 +588,6 @@ open_shard(KeyTable *kt, Oid relid)
  * is installed; and not for a distributed table, whose shards differ per
  * key.
  */
-typedef struct KeyRelCache
-{
-	bool		open;			/* holds the references below */
-	bool		locked;			/* lockmode is held on all of them */
-	LOCKMODE	lockmode;
-	uint64		inval_count;	/* keys_inval_count when opened */
-	Relation	rel;
-	int			nindexes;
-	Relation	indexes[IDEM_MAX_INDEXES];
-	IndexInfo  *index_infos[IDEM_MAX_INDEXES];
-	bool		index_key_first[IDEM_MAX_INDEXES];
-} KeyRelCache;
-
-static KeyRelCache keys_cache;
-static bool keys_cache_enabled = false;
 
 /* Drop the references the transaction keeps, if any. */
 void
@@ -619,34 +643,29 @@ idem_keytable_cache_enable(void)
 }
 
 /*
- * Keep references to the relations kt opened, held by the transaction's
- * resource owner; kt's own are closed as usual.
+ * Keep the relations kt opened, held by the transaction's resource owner:
+ * noted in keys_cache as they were opened (so that an error on the way,
+ * caught by a subtransaction, leaves nothing behind that would not be
+ * closed), now usable.
  */
 static void
-cache_keep(KeyTable *kt)
+cache_keep(KeyTable *kt, uint64 inval_count)
 {
-	ResourceOwner save;
 	int			i;
 
-	if (!keys_cache_enabled || keys_cache.open ||
-		shape_checked != keys_inval_count + 1 ||
-		TopTransactionResourceOwner == NULL)
-		return;
-	save = CurrentResourceOwner;
-	CurrentResourceOwner = TopTransactionResourceOwner;
-	keys_cache.rel = relation_open(RelationGetRelid(kt->rel), NoLock);
+	Assert(keys_cache.open && keys_cache.rel == kt->rel &&
+		   keys_cache.nindexes == kt->nindexes);
 	for (i = 0; i < kt->nindexes; i++)
 	{
-		keys_cache.indexes[i] = index_open(RelationGetRelid(kt->indexes[i]), NoLock);
 		keys_cache.index_infos[i] = kt->index_infos[i];
 		keys_cache.index_key_first[i] = kt->index_key_first[i];
 	}
-	CurrentResourceOwner = save;
-	keys_cache.nindexes = kt->nindexes;
+	keys_cache.complete = true;
 	keys_cache.lockmode = kt->lockmode;
 	keys_cache.locked = true;
-	keys_cache.inval_count = keys_inval_count;
+	keys_cache.inval_count = inval_count;
 	keys_cache.open = true;
+	kt->cached = true;
 }
 
 /*
@@ -661,6 +680,12 @@ open_cached(KeyTable *kt, LOCKMODE lockmode)
 
 	if (!keys_cache.open)
 		return false;
+	if (!keys_cache.complete)
+	{
+		/* an error stopped the call that was opening them */
+		idem_keytable_cache_close();
+		return false;
+	}
 	if (!keys_cache.locked || keys_cache.lockmode < lockmode)
 	{
 		LockRelationOid(RelationGetRelid(keys_cache.rel), lockmode);
@@ -720,6 +745,8 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 				   LOCKMODE lockmode)
 {
 	uint64		inval_count;
+	bool		keep;
+	ResourceOwner owner;
 
 	kt->writable = false;
 	kt->what = what;
@@ -731,7 +758,17 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 	if (key != NULL && open_cached(kt, lockmode))
 		return;
 
-	kt->rel = open_keys_relation(lockmode);
+	/* A call on a key opens the relations for the transaction to keep. */
+	keep = key != NULL && keys_cache_enabled && TopTransactionResourceOwner != NULL;
+	owner = keep ? TopTransactionResourceOwner : CurrentResourceOwner;
+	kt->rel = open_keys_relation(lockmode, owner);
+	if (keep)
+	{
+		keys_cache.rel = kt->rel;
+		keys_cache.nindexes = 0;
+		keys_cache.complete = false;
+		keys_cache.open = true;
+	}
 	kt->lockmode = lockmode;
 	inval_count = keys_inval_count;
 	if (shape_checked != inval_count + 1)
@@ -744,16 +781,26 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 	kt->pkey = NULL;
 	if (unlikely(keys_distcol != 0))
 	{
+		if (keep)
+		{
+			/* shards differ per key: nothing is kept, rel is the call's */
+			Relation	rel = open_held_by(RelationGetRelid(kt->rel),
+										   CurrentResourceOwner);
+
+			idem_keytable_cache_close();
+			kt->rel = rel;
+			keep = false;
+		}
 		if (key != NULL)
 			open_shard(kt, idem_citus_local_shard(kt->rel,
 												  PointerGetDatum(keys_distcol == Anum_keys_key ? key : scope),
 												  what, key));
 	}
 	else
-		open_indexes(kt, &keys_shape);
+		open_indexes(kt, &keys_shape, keep);
 	kt->slot = table_slot_create(kt->rel, NULL);
-	if (key != NULL && !kt->distributed)
-		cache_keep(kt);
+	if (keep)
+		cache_keep(kt, inval_count);
 }
 
 /*

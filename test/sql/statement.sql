@@ -167,6 +167,15 @@ BEGIN
 END $$;
 SELECT * FROM st_relock();
 
+-- A call that the shape check refuses, inside a rolled-back block, leaves
+-- nothing open: the ALTER TABLE after it finds the table unused.
+BEGIN;
+ALTER TABLE idem.keys ADD CONSTRAINT st_check CHECK (true);
+SELECT try($$SELECT idem_begin('st-shape', 'fp')$$);
+ALTER TABLE idem.keys DROP CONSTRAINT st_check;
+SELECT claimed FROM idem_begin('st-shape', 'fp');
+ROLLBACK;
+
 -- The extension dropped and created again in one transaction: the calls
 -- after it use the new table.
 BEGIN;
