@@ -21,7 +21,9 @@
 
 #include "sha256.h"
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+/* IDEM_SHA256_PORTABLE builds the portable path only (test/sha256). */
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && \
+	!defined(IDEM_SHA256_PORTABLE)
 #define IDEM_SHA256_SHANI 1
 #include <cpuid.h>
 #include <immintrin.h>
