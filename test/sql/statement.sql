@@ -146,7 +146,7 @@ SELECT count(*) AS locks_after_rollback FROM pg_locks
 SELECT claimed FROM idem_begin('st-lock', 'fp');
 SELECT relation::regclass, mode FROM pg_locks
  WHERE pid = pg_backend_pid() AND relation IN ('idem.keys'::regclass, 'idem.keys_pkey'::regclass)
- ORDER BY 1::text, 2;
+ ORDER BY relation::regclass::text COLLATE "C", mode;
 COMMIT;
 -- The same without a utility statement between the calls: a rolled-back
 -- BEGIN ... EXCEPTION block.
@@ -163,7 +163,7 @@ BEGIN
 	PERFORM idem_begin('st-lock2', 'fp');
 	RETURN QUERY SELECT l.relation::regclass, l.mode FROM pg_locks l
 	  WHERE l.pid = pg_backend_pid() AND l.relation IN ('idem.keys'::regclass, 'idem.keys_pkey'::regclass)
-	  ORDER BY 1::text, 2;
+	  ORDER BY l.relation::regclass::text COLLATE "C", l.mode;
 END $$;
 SELECT * FROM st_relock();
 
