@@ -13,10 +13,13 @@ SELECT phase, convert_from(phase_data, 'UTF8') AS data FROM idem.keys WHERE key 
 SELECT idem_checkpoint('rp-1', :tok, 'charge', convert_to('ch_1', 'UTF8'));
 SELECT idem_extend('rp-1', :tok, '2 minutes') IS NOT NULL AS extended;
 SELECT phase, convert_from(phase_data, 'UTF8') AS data FROM idem.keys WHERE key = 'rp-1';
--- A checkpoint is a HOT update (no indexed column changes).
+-- A checkpoint is a HOT update (no indexed column changes).  The counts
+-- are read in the same transaction: between transactions the backend may
+-- flush the counts pending from earlier ones, which pg_stat_xact_* shows
+-- until then.
+BEGIN;
 SELECT n_tup_hot_upd AS hot0, n_tup_upd AS upd0
   FROM pg_stat_xact_user_tables WHERE relid = 'idem.keys'::regclass \gset
-BEGIN;
 SELECT idem_checkpoint('rp-1', :tok, 'charge', convert_to('ch_1', 'UTF8'));
 SELECT n_tup_hot_upd - :hot0 AS hot, n_tup_upd - :upd0 AS updates
   FROM pg_stat_xact_user_tables WHERE relid = 'idem.keys'::regclass;
