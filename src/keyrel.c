@@ -240,7 +240,6 @@ open_held_by(Oid relid, ResourceOwner owner)
 	return rel;
 }
 
-
 /*
  * Lock idem.keys and open it.  The OID is looked up again if the lock's
  * invalidations show that the table went away since it was cached (DROP
