@@ -28,6 +28,7 @@ int			idem_max_body_size = 1024 * 1024;
 int			idem_clock_offset = 0;
 int			idem_purge_batch_size = 10000;
 int			idem_purge_naptime = 10;
+int			idem_purge_rate_limit = 10000;
 bool		idem_purge_enabled = true;
 bool		idem_log_purge = true;
 bool		idem_log_takeovers = true;
@@ -91,6 +92,13 @@ idem_define_settings(void)
 							&idem_purge_naptime,
 							10, 1, INT_MAX / 1000,
 							PGC_SIGHUP, GUC_UNIT_S,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idem.purge_rate_limit",
+							"Most expired keys the background worker deletes per second; 0 for no limit.",
+							"The worker waits after each batch so that its deletions, and the WAL they write, are spread out; SELECT idem_purge() is not limited.",
+							&idem_purge_rate_limit,
+							10000, 0, INT_MAX,
+							PGC_SIGHUP, 0,
 							NULL, NULL, NULL);
 	DefineCustomBoolVariable("idem.purge_enabled",
 							 "Whether the background worker purges expired keys.",

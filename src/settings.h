@@ -18,6 +18,7 @@ extern int	idem_max_body_size;
 extern int	idem_clock_offset;
 extern int	idem_purge_batch_size;
 extern int	idem_purge_naptime;
+extern int	idem_purge_rate_limit;
 extern bool idem_purge_enabled;
 extern bool idem_log_purge;
 extern bool idem_log_takeovers;

@@ -146,6 +146,8 @@ typedef enum PurgeBatchResult
 {
 	BATCH_MORE,					/* the pass over the table goes on */
 	BATCH_LAST,					/* the pass reached the end of the table */
+	BATCH_PAUSED,				/* paced, the visit used its time: the pass
+								 * goes on at the next visit */
 	BATCH_NO_EXTENSION,			/* idem is not installed here */
 	BATCH_YIELD,				/* a command waits for the database */
 	BATCH_STOPPED				/* purge was disabled meanwhile */
@@ -165,10 +167,21 @@ static uint32 purge_visit = 0;
 /* Work done by this purge worker, for its log line. */
 static int64 purge_deleted = 0;
 static int	purge_batches = 0;
+static TimestampTz purge_started = 0;
+static int64 purge_paced_us = 0;	/* waited for idem.purge_rate_limit */
 
 /* True while this purge worker connects to its database. */
 static bool purge_connecting = false;
 static emit_log_hook_type prev_emit_log_hook = NULL;
+
+/* A purge worker's wait event while idem.purge_rate_limit paces it. */
+static uint32
+purge_pace_wait_event(void)
+{
+	static uint32 wait_event = 0;
+
+	return idem_wait_event(&wait_event, "IdemPurgeRateLimit");
+}
 
 /* The launcher's wait event while it sleeps between passes. */
 static uint32
@@ -544,9 +557,9 @@ static void
 launcher_reload_config(void)
 {
 	if (worker_reload_config())
-		elog(DEBUG1, "idem launcher: configuration reloaded: purge_enabled %s, purge_naptime %d s, purge_batch_size %d",
+		elog(DEBUG1, "idem launcher: configuration reloaded: purge_enabled %s, purge_naptime %d s, purge_batch_size %d, purge_rate_limit %d",
 			 idem_purge_enabled ? "on" : "off", idem_purge_naptime,
-			 idem_purge_batch_size);
+			 idem_purge_batch_size, idem_purge_rate_limit);
 }
 
 /* Sleep ms milliseconds in the launcher, or less if its latch is set. */
@@ -716,14 +729,62 @@ database_lock_available(void)
 }
 
 /*
+ * Wait, after a batch that started at batch_start and deleted n keys,
+ * until the batch and the wait together took n / idem.purge_rate_limit
+ * seconds.  A limit changed by a reload applies at once, counted from the
+ * same start; 0 ends the wait.  Each wait is at most about a second (a
+ * batch is at most a second's worth of keys), so SIGTERM, a reload and a
+ * command waiting for the database are answered as soon as between
+ * batches.
+ */
+static void
+purge_pace(int64 n, TimestampTz batch_start)
+{
+	TimestampTz waited_from = GetCurrentTimestamp();
+	TimestampTz now = waited_from;
+
+	while (idem_purge_rate_limit > 0)
+	{
+		TimestampTz due = batch_start +
+			n * USECS_PER_SEC / idem_purge_rate_limit;
+
+		if (now >= due)
+			break;
+		(void) WaitLatch(MyLatch,
+						 WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 (long) ((due - now + 999) / 1000),
+						 purge_pace_wait_event());
+		ResetLatch(MyLatch);
+		CHECK_FOR_INTERRUPTS();
+		(void) worker_reload_config();
+		now = GetCurrentTimestamp();
+	}
+	purge_paced_us += now - waited_from;
+}
+
+/*
+ * Rows per batch: idem.purge_batch_size, and with idem.purge_rate_limit
+ * at most one second's worth.
+ */
+static int
+purge_batch_limit(void)
+{
+	if (idem_purge_rate_limit > 0)
+		return Min(idem_purge_batch_size, idem_purge_rate_limit);
+	return idem_purge_batch_size;
+}
+
+/*
  * Delete one batch of expired keys in a transaction of its own.  Whether
  * idem is installed is checked before the transaction takes a snapshot.
+ * A batch that deleted keys and did not end the pass is paced.
  */
 static PurgeBatchResult
 purge_batch(int batch_size)
 {
 	int64		n;
 	bool		pass_done;
+	TimestampTz batch_start = GetCurrentTimestamp();
 
 	SetCurrentStatementStartTimestamp();
 	StartTransactionCommand();
@@ -764,10 +825,20 @@ purge_batch(int batch_size)
 
 	purge_deleted += n;
 	purge_batches++;
-	return pass_done ? BATCH_LAST : BATCH_MORE;
+	if (pass_done)
+		return BATCH_LAST;
+	if (n > 0)
+		purge_pace(n, batch_start);
+	return BATCH_MORE;
 }
 
-/* Purge the current database until a batch ends the pass. */
+/*
+ * Purge the current database until a batch ends the pass.  A pass paced
+ * by idem.purge_rate_limit ends the visit after the visit deadline, so
+ * that a backlog in one database does not hold up the others: the
+ * launcher's next pass (at once, as this one took a naptime or more) goes
+ * on with it.
+ */
 static PurgeBatchResult
 purge_database(void)
 {
@@ -780,7 +851,12 @@ purge_database(void)
 		if (!idem_purge_enabled || RecoveryInProgress())
 			return BATCH_STOPPED;
 
-		result = purge_batch(idem_purge_batch_size);
+		if (idem_purge_rate_limit > 0 && purge_batches > 0 &&
+			TimestampDifferenceExceeds(purge_started, GetCurrentTimestamp(),
+									   visit_deadline_ms()))
+			return BATCH_PAUSED;
+
+		result = purge_batch(purge_batch_limit());
 		if (result != BATCH_MORE)
 			return result;
 	}
@@ -871,7 +947,7 @@ idem_purge_main(Datum main_arg)
 	Oid			dboid = DatumGetObjectId(main_arg);
 	PurgeWorkerArgs args;
 	MemoryContext error_cxt;
-	TimestampTz started;
+	PurgeBatchResult result;
 
 	memcpy(&args, MyBgworkerEntry->bgw_extra, sizeof(args));
 	purge_visit = args.visit;
@@ -893,9 +969,10 @@ idem_purge_main(Datum main_arg)
 
 	error_cxt = AllocSetContextCreate(TopMemoryContext, "idem purge error",
 									  ALLOCSET_DEFAULT_SIZES);
-	started = GetCurrentTimestamp();
+	purge_started = GetCurrentTimestamp();
 
-	switch (purge_database_or_exit(dboid, args.dbname, error_cxt))
+	result = purge_database_or_exit(dboid, args.dbname, error_cxt);
+	switch (result)
 	{
 		case BATCH_NO_EXTENSION:
 			break;
@@ -909,11 +986,16 @@ idem_purge_main(Datum main_arg)
 			break;
 		case BATCH_MORE:
 		case BATCH_LAST:
+		case BATCH_PAUSED:
 			idem_stats_purge_done(dboid, NULL);
 			ereport((purge_deleted > 0 && idem_log_purge) ? LOG : DEBUG1,
-					(errmsg("idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s), %ld ms",
+					(errmsg("idem purge: deleted %lld expired keys from database \"%s\" in %d transaction(s), %ld ms, %lld ms of it paced by idem.purge_rate_limit",
 							(long long) purge_deleted, args.dbname, purge_batches,
-							TimestampDifferenceMilliseconds(started, GetCurrentTimestamp()))));
+							TimestampDifferenceMilliseconds(purge_started, GetCurrentTimestamp()),
+							(long long) (purge_paced_us / 1000)),
+					 result == BATCH_PAUSED ?
+					 errdetail("The visit reached its deadline of %d ms; the pass goes on at the next visit.",
+							   visit_deadline_ms()) : 0));
 			break;
 	}
 	purge_report(VISIT_FINISHED);

@@ -9,11 +9,13 @@ use IdemTest;
 use Test::More;
 
 # Batches of 1000 rows: the purge of 200000 keys takes 200 transactions,
-# long enough for many rounds of claims to run while it is under way.
+# long enough for many rounds of claims to run while it is under way; not
+# paced (test 028 covers idem.purge_rate_limit), so that it takes seconds.
 my $node = idem_node('concurrency', conf => qq{
 idem.purge_naptime = 1
 idem.purge_enabled = off
 idem.purge_batch_size = 1000
+idem.purge_rate_limit = 0
 });
 
 sub set_purge
