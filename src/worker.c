@@ -836,8 +836,8 @@ purge_batch(int batch_size)
  * Purge the current database until a batch ends the pass.  A pass paced
  * by idem.purge_rate_limit ends the visit after the visit deadline, so
  * that a backlog in one database does not hold up the others: the
- * launcher's next pass (at once, as this one took a naptime or more) goes
- * on with it.
+ * launcher's next pass goes on with it (at once, as this pass took the
+ * deadline, which is the naptime unless that is over 60 s).
  */
 static PurgeBatchResult
 purge_database(void)
