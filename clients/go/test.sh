@@ -48,7 +48,7 @@ command -v go >/dev/null 2>&1 || missing="$missing golang-go"
 	missing="$missing golang-github-jackc-pgx-v4-dev"
 if [ -n "$missing" ]; then
 	if [ "$(id -u)" -eq 0 ]; then sudo=; else sudo=sudo; fi
-	echo "go client: installing$missing"
+	echo "installing:$missing"
 	$sudo apt-get -o DPkg::Lock::Timeout=600 update -qq >/dev/null &&
 		$sudo env DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq $missing >/dev/null ||
 		fail "could not install$missing"

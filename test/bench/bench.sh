@@ -82,8 +82,8 @@ timed() {
 
 # tps of a pgbench script.
 tps() {
-	local script=$1 nclients=$2 out
-	out=$("${pgbench[@]}" -M prepared -c "$nclients" -j 2 -T "$secs" -f "$here/pgbench/$script" bench 2>&1) || {
+	local script=$1 nclients=$2 mode=${3:-prepared} out
+	out=$("${pgbench[@]}" -M "$mode" -c "$nclients" -j 2 -T "$secs" -f "$here/pgbench/$script" bench 2>&1) || {
 		echo "$out" >&2
 		return 1
 	}
@@ -179,13 +179,13 @@ replay_rows "clean"
 
 # 2. pgbench multi-step and one transaction; 3. replay.
 pgb() {
-	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5 target=$6
+	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5 target=$6 mode=${7:-prepared}
 	local a=() b=() c=()
 	for _ in $(seq "$runs"); do
-		[ "$name" = replay ] || reset_keys
-		a+=("$(tps "$idem" "$nclients")")
-		b+=("$(tps "$plain" "$nclients")")
-		[ -n "$plpg" ] && c+=("$(tps "$plpg" "$nclients")")
+		case $name in *replay*) ;; *) reset_keys ;; esac
+		a+=("$(tps "$idem" "$nclients" "$mode")")
+		b+=("$(tps "$plain" "$nclients" "$mode")")
+		[ -n "$plpg" ] && c+=("$(tps "$plpg" "$nclients" "$mode")")
 	done
 	local ai bi ci
 	ai=$(printf '%s\n' "${a[@]}" | median)
@@ -204,7 +204,22 @@ reset_keys
 sql "SELECT count(*) FROM generate_series(1, 1000) g, LATERAL idem_begin('hot' || g, 'fp') b,
 	LATERAL idem_complete('hot' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c" >/dev/null
 sql "INSERT INTO plain_keys SELECT * FROM idem.keys" >/dev/null
+hot_keys() {
+	[ "$(sql "SELECT count(*) FILTER (WHERE status = 200) || '/' || count(*) FROM idem.keys")" = 1000/1000 ] &&
+		[ "$(sql "SELECT count(*) FROM plain_keys WHERE status = 200")" = 1000 ] || {
+		echo "bench: row 3 needs the 1000 completed keys on both sides: $1" >&2
+		exit 1
+	}
+}
+hot_keys "before"
 pgb "3 replay" idem_replay.sql plain_replay.sql "" $clients ">=1.05"
+hot_keys "after the prepared runs"
+# 3b. The same with the extended protocol's unnamed statements (-M
+# extended: parsed and planned on every call, as a driver sends a query
+# it has not prepared): the lookup is planned each time, idem_begin's
+# function scan has nothing to plan.
+pgb "3b replay, extended protocol" idem_replay.sql plain_replay.sql "" $clients ">=1.05" extended
+hot_keys "after the extended runs"
 
 # 4. Contention: 32 clients, 16 keys; one holder per key at any time.
 sql "TRUNCATE idem.keys, holders, claims_log"
