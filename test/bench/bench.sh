@@ -455,6 +455,9 @@ if command -v redis-server >/dev/null && /usr/bin/python3 -c 'import redis, psyc
 		row "7 e2e $ph keys, server CPU per request (us)" "idem $(val idem $ph 4)" "table $(val table $ph 4)" \
 			"redis $(val redis $ph 4)" "$(ratio "$(val idem $ph 4)" "$(val table $ph 4)")" \
 			"$(ratio "$(val idem $ph 4)" "$(val redis $ph 4)")" "lower=better"
+		row "7 e2e $ph keys, client CPU per request (us)" "idem $(val idem $ph 6)" "table $(val table $ph 6)" \
+			"redis $(val redis $ph 6)" "$(ratio "$(val idem $ph 6)" "$(val table $ph 6)")" \
+			"$(ratio "$(val idem $ph 6)" "$(val redis $ph 6)")" "lower=better"
 	done
 else
 	echo "bench: redis-server or python3-redis not installed: end-to-end rows (7) skipped" >&2

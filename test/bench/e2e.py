@@ -18,11 +18,13 @@ psycopg 3 from N worker processes, each worker on its own connection(s):
 Each round runs, for each pattern in turn, new keys then replays of the
 same keys, so the patterns share the machine's state of the moment
 (interleaved).  Prints one line per pattern and phase:
-"pattern phase requests_per_s server_cpu_us_per_request rps_spread",
+"pattern phase requests_per_s server_cpu_us_per_request rps_spread
+client_cpu_us_per_request",
 medians of the rounds, and the spread of the rounds' requests/s: (max -
 min) / median.  Server CPU: the PostgreSQL cluster's processes (postmaster
 children, by their /proc/PID/stat) and the Redis server, summed over the
-phase while every worker holds its connections open.
+phase while every worker holds its connections open.  Client CPU: the
+workers' own (user + system) time in the phase, summed.
 
     python3 test/bench/e2e.py --dsn DSN --redis-port PORT [--workers 8]
         [--requests 2000] [--rounds 3] [--schema public]
@@ -91,9 +93,9 @@ def redis_request(conn, r, key, schema):
 PATTERNS = {"idem": idem_request, "table": table_request, "redis": redis_request}
 
 
-def worker(args, pattern, prefix, wid, ready, go, done, leave):
+def worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
     try:
-        run_worker(args, pattern, prefix, wid, ready, go, done, leave)
+        run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu)
     except BaseException:
         # Let the main process and the other workers stop waiting.
         for b in (ready, go, leave, done["new"], done["replay"]):
@@ -101,7 +103,7 @@ def worker(args, pattern, prefix, wid, ready, go, done, leave):
         raise
 
 
-def run_worker(args, pattern, prefix, wid, ready, go, done, leave):
+def run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
     conn = psycopg.connect(args.dsn, autocommit=True)
     r = redis.Redis(port=args.redis_port) if pattern == "redis" else None
     handle = PATTERNS[pattern]
@@ -109,10 +111,12 @@ def run_worker(args, pattern, prefix, wid, ready, go, done, leave):
     # A warm connection: the first statements prepare and plan.
     ready.wait()
     go.wait()
-    for phase in ("new", "replay"):
+    for i, phase in enumerate(("new", "replay")):
+        cpu0 = time.process_time()
         for key in keys:
             body = handle(conn, r, key, args.schema)
             assert body is not None and body.startswith(b'{"order"'), (pattern, key, body)
+        client_cpu[2 * wid + i] = time.process_time() - cpu0
         done[phase].wait()
         go.wait()
     leave.wait()
@@ -146,19 +150,21 @@ def run_pattern(args, pattern, prefix):
     n = args.workers
     ready, go, leave = mp.Barrier(n + 1), mp.Barrier(n + 1), mp.Barrier(n + 1)
     done = {"new": mp.Barrier(n + 1), "replay": mp.Barrier(n + 1)}
-    procs = [mp.Process(target=worker, args=(args, pattern, prefix, w, ready, go, done, leave))
+    client_cpu = mp.Array("d", 2 * n)
+    procs = [mp.Process(target=worker, args=(args, pattern, prefix, w, ready, go, done, leave,
+                                             client_cpu))
              for w in range(n)]
     for p in procs:
         p.start()
     try:
-        return measure(args, pattern, procs, ready, go, done, leave)
+        return measure(args, pattern, procs, ready, go, done, leave, client_cpu)
     except threading.BrokenBarrierError:
         for p in procs:
             p.join()
         raise SystemExit("e2e: a %s worker failed" % pattern)
 
 
-def measure(args, pattern, procs, ready, go, done, leave):
+def measure(args, pattern, procs, ready, go, done, leave, client_cpu):
     n = args.workers
     ready.wait()
     out = {}
@@ -170,13 +176,15 @@ def measure(args, pattern, procs, ready, go, done, leave):
         elapsed = time.monotonic() - t0
         cpu = cluster_cpu(args.dsn, args.redis_pid) - cpu0
         requests = n * args.requests
-        out[phase] = (requests / elapsed, cpu * 1e6 / TICK / requests)
+        out[phase] = [requests / elapsed, cpu * 1e6 / TICK / requests]
     go.wait()
     leave.wait()
     for p in procs:
         p.join()
         if p.exitcode != 0:
             raise SystemExit("e2e: a %s worker failed" % pattern)
+    for i, phase in enumerate(("new", "replay")):
+        out[phase].append(sum(client_cpu[2 * w + i] for w in range(n)) * 1e6 / (n * args.requests))
     return out
 
 
@@ -216,7 +224,8 @@ def main():
         rps = statistics.median(v[0] for v in values)
         cpu = statistics.median(v[1] for v in values)
         spread = (max(v[0] for v in values) - min(v[0] for v in values)) / rps if rps else 0
-        print("%s %s %.0f %.1f %.3f" % (pattern, phase, rps, cpu, spread))
+        client = statistics.median(v[2] for v in values)
+        print("%s %s %.0f %.1f %.3f %.1f" % (pattern, phase, rps, cpu, spread, client))
 
 
 if __name__ == "__main__":
