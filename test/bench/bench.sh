@@ -178,11 +178,13 @@ sqls "VACUUM (ANALYZE) idem.keys" "VACUUM (ANALYZE) plain_keys"
 replay_rows "clean"
 
 # 2. pgbench multi-step and one transaction; 3. replay.
+# pgb SETUP NAME IDEM PLAIN PLPGSQL CLIENTS TARGET [MODE]: SETUP runs
+# before each run (reset_keys, or : to keep the keys a replay reads).
 pgb() {
-	local name=$1 idem=$2 plain=$3 plpg=$4 nclients=$5 target=$6 mode=${7:-prepared}
+	local setup=$1 name=$2 idem=$3 plain=$4 plpg=$5 nclients=$6 target=$7 mode=${8:-prepared}
 	local a=() b=() c=()
 	for _ in $(seq "$runs"); do
-		case $name in *replay*) ;; *) reset_keys ;; esac
+		"$setup"
 		a+=("$(tps "$idem" "$nclients" "$mode")")
 		b+=("$(tps "$plain" "$nclients" "$mode")")
 		[ -n "$plpg" ] && c+=("$(tps "$plpg" "$nclients" "$mode")")
@@ -198,8 +200,8 @@ pgb() {
 	fi
 	judge "$name vs SQL" "$(ratio "$ai" "$bi")" ">=" "${target#>=}" "$(sp "${a[@]}")" "$(sp "${b[@]}")"
 }
-pgb "2 multi-step, $clients clients" idem_multi.sql plain_multi.sql plpg_multi.sql $clients ">=1.25"
-pgb "2 one transaction, $clients clients" idem_onetx.sql plain_onetx.sql plpg_onetx.sql $clients ">=1.0"
+pgb reset_keys "2 multi-step, $clients clients" idem_multi.sql plain_multi.sql plpg_multi.sql $clients ">=1.25"
+pgb reset_keys "2 one transaction, $clients clients" idem_onetx.sql plain_onetx.sql plpg_onetx.sql $clients ">=1.0"
 reset_keys
 sql "SELECT count(*) FROM generate_series(1, 1000) g, LATERAL idem_begin('hot' || g, 'fp') b,
 	LATERAL idem_complete('hot' || g, 'fp', 200, '\\x6f6b'::bytea, b.token) c" >/dev/null
@@ -212,13 +214,13 @@ hot_keys() {
 	}
 }
 hot_keys "before"
-pgb "3 replay" idem_replay.sql plain_replay.sql "" $clients ">=1.05"
+pgb : "3 replay" idem_replay.sql plain_replay.sql "" $clients ">=1.05"
 hot_keys "after the prepared runs"
 # 3b. The same with the extended protocol's unnamed statements (-M
 # extended: parsed and planned on every call, as a driver sends a query
 # it has not prepared): the lookup is planned each time, idem_begin's
 # function scan has nothing to plan.
-pgb "3b replay, extended protocol" idem_replay.sql plain_replay.sql "" $clients ">=1.05" extended
+pgb : "3b replay, extended protocol" idem_replay.sql plain_replay.sql "" $clients ">=1.05" extended
 hot_keys "after the extended runs"
 
 # 4. Contention: 32 clients, 16 keys; one holder per key at any time.

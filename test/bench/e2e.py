@@ -44,6 +44,7 @@ from idem_pg import atomic
 
 BODY = b'{"order":"%d","status":"accepted","amount":4200,"currency":"EUR","items":[1,2,3]}'
 TICK = os.sysconf("SC_CLK_TCK")
+PHASES = ("new", "replay")
 
 
 def setup(dsn):
@@ -98,7 +99,7 @@ def worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
         run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu)
     except BaseException:
         # Let the main process and the other workers stop waiting.
-        for b in (ready, go, leave, done["new"], done["replay"]):
+        for b in (ready, go, leave, *done.values()):
             b.abort()
         raise
 
@@ -111,7 +112,7 @@ def run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
     # A warm connection: the first statements prepare and plan.
     ready.wait()
     go.wait()
-    for i, phase in enumerate(("new", "replay")):
+    for i, phase in enumerate(PHASES):
         cpu0 = time.process_time()
         for key in keys:
             body = handle(conn, r, key, args.schema)
@@ -149,7 +150,7 @@ def cluster_cpu(dsn, redis_pid):
 def run_pattern(args, pattern, prefix):
     n = args.workers
     ready, go, leave = mp.Barrier(n + 1), mp.Barrier(n + 1), mp.Barrier(n + 1)
-    done = {"new": mp.Barrier(n + 1), "replay": mp.Barrier(n + 1)}
+    done = {phase: mp.Barrier(n + 1) for phase in PHASES}
     client_cpu = mp.Array("d", 2 * n)
     procs = [mp.Process(target=worker, args=(args, pattern, prefix, w, ready, go, done, leave,
                                              client_cpu))
@@ -168,7 +169,7 @@ def measure(args, pattern, procs, ready, go, done, leave, client_cpu):
     n = args.workers
     ready.wait()
     out = {}
-    for phase in ("new", "replay"):
+    for phase in PHASES:
         cpu0 = cluster_cpu(args.dsn, args.redis_pid)
         t0 = time.monotonic()
         go.wait()
@@ -183,7 +184,7 @@ def measure(args, pattern, procs, ready, go, done, leave, client_cpu):
         p.join()
         if p.exitcode != 0:
             raise SystemExit("e2e: a %s worker failed" % pattern)
-    for i, phase in enumerate(("new", "replay")):
+    for i, phase in enumerate(PHASES):
         out[phase].append(sum(client_cpu[2 * w + i] for w in range(n)) * 1e6 / (n * args.requests))
     return out
 
@@ -211,7 +212,7 @@ def main():
     args = ap.parse_args()
 
     setup(args.dsn)
-    results = {(p, ph): [] for p in PATTERNS for ph in ("new", "replay")}
+    results = {(p, ph): [] for p in PATTERNS for ph in PHASES}
     prefixes = []
     for rnd in range(args.rounds):
         for pattern in PATTERNS:
