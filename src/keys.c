@@ -31,6 +31,7 @@
 #include "postgres.h"
 
 #include "access/xact.h"
+#include "catalog/pg_type.h"
 #include "storage/proc.h"
 #include "fmgr.h"
 #include "funcapi.h"
@@ -535,6 +536,54 @@ interval_arg(FunctionCallInfo fcinfo, int argno)
 }
 
 /*
+ * The columns of idem_begin's row, in order.  Versions 1.0 to 1.3 declare
+ * the first seven as OUT parameters, 1.4 all nine, and 1.5 all nine as the
+ * row type idem.begin_result.
+ */
+#define BEGIN_RESULT_COLUMNS 9
+#define BEGIN_RESULT_COLUMNS_BEFORE_14 7
+static const Oid begin_result_types[BEGIN_RESULT_COLUMNS] = {
+	BOOLOID, TEXTOID, INT8OID, INT4OID, BYTEAOID,
+	TIMESTAMPTZOID, TIMESTAMPTZOID, TEXTOID, BYTEAOID
+};
+
+/*
+ * Check the row the executor expects (rsinfo->expectedDesc) against
+ * idem_begin's columns, before anything is looked at or written: the row
+ * type of 1.5 is an ordinary composite type, which its owner can ALTER.
+ * An attribute dropped from it reads NULL; any other difference is an
+ * error.  Returns whether the row has dropped attributes.
+ */
+static bool
+begin_result_check(TupleDesc desc)
+{
+	int			column = 0;
+
+	for (int i = 0; i < desc->natts; i++)
+	{
+		Form_pg_attribute attr = TupleDescAttr(desc, i);
+
+		if (attr->attisdropped)
+			continue;
+		if (column >= BEGIN_RESULT_COLUMNS ||
+			attr->atttypid != begin_result_types[column])
+		{
+			column = -1;
+			break;
+		}
+		column++;
+	}
+	if (column != BEGIN_RESULT_COLUMNS &&
+		!(column == BEGIN_RESULT_COLUMNS_BEFORE_14 && desc->natts == column))
+		ereport(ERROR,
+				(errcode(ERRCODE_DATATYPE_MISMATCH),
+				 errmsg("idem_begin is declared with a result row idem does not return"),
+				 errdetail("The row must have the columns claimed, state, token, status, body, lease_until, expires_at, phase and phase_data with the types idem creates them with."),
+				 errhint("Restore the type idem.begin_result as the extension created it.")));
+	return desc->natts != column;
+}
+
+/*
  * A tuplestore for the one row of idem_begin, as InitMaterializedSRF
  * (MAT_SRF_USE_EXPECTED_DESC) sets it up, but without a copy of the
  * descriptor: setDesc is left NULL, so that the executor does not
@@ -542,7 +591,7 @@ interval_arg(FunctionCallInfo fcinfo, int argno)
  * executor's expectedDesc, the shape the SQL declaration gives.
  */
 static Tuplestorestate *
-begin_result_store(FunctionCallInfo fcinfo)
+begin_result_store(FunctionCallInfo fcinfo, bool *has_dropped)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	MemoryContext old;
@@ -556,6 +605,7 @@ begin_result_store(FunctionCallInfo fcinfo)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("materialize mode required, but it is not allowed in this context")));
+	*has_dropped = begin_result_check(rsinfo->expectedDesc);
 	old = MemoryContextSwitchTo(rsinfo->econtext->ecxt_per_query_memory);
 	store = tuplestore_begin_heap((rsinfo->allowedModes & SFRM_Materialize_Random) != 0,
 								  false, work_mem);
@@ -564,6 +614,37 @@ begin_result_store(FunctionCallInfo fcinfo)
 	rsinfo->setResult = store;
 	rsinfo->setDesc = NULL;
 	return store;
+}
+
+/*
+ * Put the row into the store in the executor's shape: the columns in
+ * order, NULL for attributes dropped from idem.begin_result (checked by
+ * begin_result_check).
+ */
+static void
+begin_result_put(Tuplestorestate *store, TupleDesc desc, bool has_dropped,
+				 Datum *values, bool *nulls)
+{
+	Datum	   *row_values = values;
+	bool	   *row_nulls = nulls;
+	int			column = 0;
+
+	if (has_dropped)
+	{
+		row_values = palloc(desc->natts * sizeof(Datum));
+		row_nulls = palloc(desc->natts * sizeof(bool));
+		for (int i = 0; i < desc->natts; i++)
+		{
+			row_values[i] = (Datum) 0;
+			row_nulls[i] = true;
+			if (TupleDescAttr(desc, i)->attisdropped)
+				continue;
+			row_values[i] = values[column];
+			row_nulls[i] = nulls[column];
+			column++;
+		}
+	}
+	tuplestore_putvalues(store, desc, row_values, row_nulls);
 }
 
 /*
@@ -580,8 +661,9 @@ idem_begin(PG_FUNCTION_ARGS)
 	ClaimResult res;
 	KeyTable	kt;
 	Tuplestorestate *store;
-	Datum		values[9];
-	bool		nulls[9];
+	bool		has_dropped;
+	Datum		values[BEGIN_RESULT_COLUMNS];
+	bool		nulls[BEGIN_RESULT_COLUMNS];
 	instr_time	started;
 
 	idem_stats_start(&started);
@@ -623,7 +705,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	}
 	args.result_cxt = CurrentMemoryContext;
 
-	store = begin_result_store(fcinfo);
+	store = begin_result_store(fcinfo, &has_dropped);
 
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
@@ -679,7 +761,7 @@ idem_begin(PG_FUNCTION_ARGS)
 		values[8] = PointerGetDatum(res.phase_data);
 		nulls[8] = false;
 	}
-	tuplestore_putvalues(store, rsinfo->expectedDesc, values, nulls);
+	begin_result_put(store, rsinfo->expectedDesc, has_dropped, values, nulls);
 	return (Datum) 0;
 }
 

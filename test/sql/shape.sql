@@ -2,8 +2,9 @@
 -- What the storage door checks besides the columns: replica identity,
 -- the token sequence's increment and persistence, an unlogged or
 -- partitioned table, the primary key's collation and operator class,
--- copies of the primary key; and that an update of a toasted key stays
--- HOT.  Each change is rolled back afterwards.
+-- copies of the primary key; that an update of a toasted key stays
+-- HOT; and the row type idem_begin returns.  Each change is rolled back
+-- afterwards.
 --
 SELECT token AS tok FROM idem_begin('sh-held', 'fp', lease => '1 hour') \gset
 SELECT token AS tok_exp FROM idem_begin('sh-exp', 'fp', lease => '1s', retention => '1 min') \gset
@@ -131,3 +132,31 @@ SELECT pg_column_size(k.scope) < octet_length(k.scope) AS scope_compressed, coun
 SELECT count(*) AS replayed FROM long_keys, LATERAL idem_begin(k, 'fp', scope => k) b
  WHERE b.state = 'DONE' AND b.body = 'x';
 ROLLBACK;
+
+-- 7. The row type idem_begin returns (idem.begin_result) can be altered
+-- by its owner.  A column added or changed is refused (42804) before the
+-- key is looked at; a column dropped and added back at the end reads
+-- NULL where it was, and the row keeps its values in their columns.
+BEGIN;
+ALTER TYPE idem.begin_result ADD ATTRIBUTE extra int4;
+SELECT try($$SELECT claimed FROM idem_begin('sh-type', 'fp')$$);
+SELECT try($$SELECT claimed FROM idem_begin('sh-held', 'fp')$$);
+ALTER TYPE idem.begin_result DROP ATTRIBUTE extra;
+ALTER TYPE idem.begin_result ALTER ATTRIBUTE status TYPE int8;
+SELECT try($$SELECT claimed FROM idem_begin('sh-type', 'fp')$$);
+ALTER TYPE idem.begin_result ALTER ATTRIBUTE status TYPE int4;
+ALTER TYPE idem.begin_result DROP ATTRIBUTE phase;
+SELECT try($$SELECT claimed FROM idem_begin('sh-type', 'fp')$$);
+SELECT count(*) AS stored FROM idem.keys WHERE key = 'sh-type';
+ALTER TYPE idem.begin_result DROP ATTRIBUTE phase_data;
+ALTER TYPE idem.begin_result ADD ATTRIBUTE phase text;
+ALTER TYPE idem.begin_result ADD ATTRIBUTE phase_data bytea;
+SELECT claimed, state FROM idem_begin('sh-type', 'fp');
+SELECT idem_complete('sh-type', 'fp', 201, 'typed') IS NOT NULL AS completed;
+SELECT claimed, state, token, status, body, phase FROM idem_begin('sh-type', 'fp');
+SELECT idem_checkpoint('sh-held', :tok, 'charged', '\x0102');
+SET LOCAL idem.clock_offset = '2h';
+SELECT claimed, state, token > :tok AS new_token, status, body, phase, phase_data
+  FROM idem_begin('sh-held', 'fp');
+ROLLBACK;
+SELECT keys_digest() = :'digest0' AS keys_unchanged;

@@ -309,6 +309,35 @@ SET ROLE regress_idem_upgrade_app;
 SELECT claimed FROM idem_begin('u14', 'fp');
 RESET ROLE;
 SELECT claimed_by FROM idem.keys WHERE key = 'u14';
+
+-- The update to 1.5: idem_begin returns the row type idem.begin_result,
+-- with the same columns.  A view over idem_begin would be dropped with
+-- it, so the update refuses, names the view and changes nothing.
+CREATE VIEW begin_probe AS SELECT claimed, state FROM idem_begin('probe', 'fp');
+SELECT rows_digest() AS rows14 \gset
+\set SHOW_CONTEXT never
+ALTER EXTENSION idem UPDATE;
+\set SHOW_CONTEXT errors
+SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
+  FROM pg_extension WHERE extname = 'idem';
+DROP VIEW begin_probe;
+ALTER EXTENSION idem UPDATE;
+SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
+  FROM pg_extension WHERE extname = 'idem';
+SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute
+ WHERE attrelid = 'idem.begin_result'::regclass AND attnum > 0 ORDER BY attnum;
+SELECT rows_digest() = :'rows14' AS rows_unchanged;
+-- The grants on idem_begin are kept, also to a role whose name needs
+-- quoting, and stay out of the initial privileges (pg_dump keeps them).
+SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
+-- Every call reads as before: the completed key replays, the claim in
+-- flight is reported with its lease, a new key is claimed.
+SET ROLE "Regress Idem Quoted";
+SELECT claimed, state, token, status, body, lease_until IS NULL AS no_lease, phase, phase_data
+  FROM idem_begin('u-unbound', 'fp');
+SELECT claimed, state, token, lease_until > now() AS leased FROM idem_begin('u-quoted', 'fp', wait => false);
+SELECT (idem_begin('u15', 'fp')).claimed;
+RESET ROLE;
 -- The same objects as a fresh install, grants aside.
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v13_defs FROM ext_objects() \gset
 \c regress_idem_v11

@@ -1,11 +1,11 @@
-/* idem--1.4.sql */
+/* idem--1.5.sql */
 
 -- complain if script is sourced in psql, rather than via CREATE EXTENSION
 \echo Use "CREATE EXTENSION idem" to load this file. \quit
 
 /*
- * Version 1.4 in one script: what sql/idem--1.0.sql and the updates to
- * 1.4 make, for a fresh CREATE EXTENSION (test/sql/upgrade.sql checks that
+ * Version 1.5 in one script: what sql/idem--1.0.sql and the updates to
+ * 1.5 make, for a fresh CREATE EXTENSION (test/sql/upgrade.sql checks that
  * both give the same objects, privileges and initial privileges).
  *
  * Every name below is schema-qualified (@extschema@, idem, pg_catalog), so
@@ -50,6 +50,25 @@ CREATE TABLE idem.keys (
 REVOKE ALL ON idem.keys, idem.token_seq FROM PUBLIC;
 
 /*
+ * The row idem_begin returns.  A named row type rather than OUT
+ * parameters: the executor takes a named type's descriptor from the type
+ * cache, where OUT parameters are read back from the catalog row and a
+ * descriptor is built column by column on every execution of a query
+ * that calls the function.
+ */
+CREATE TYPE idem.begin_result AS (
+	claimed		pg_catalog.bool,
+	state		pg_catalog.text,
+	token		pg_catalog.int8,
+	status		pg_catalog.int4,
+	body		pg_catalog.bytea,
+	lease_until	pg_catalog.timestamptz,
+	expires_at	pg_catalog.timestamptz,
+	phase		pg_catalog.text,
+	phase_data	pg_catalog.bytea
+);
+
+/*
  * Claim a key, replay its response, or report it in flight or in
  * conflict; with wait_for, a duplicate of a request whose claim is
  * committed and still running waits for its result, its release or the
@@ -61,10 +80,7 @@ CREATE FUNCTION @extschema@.idem_begin(key pg_catalog.text, fingerprint pg_catal
 									   scope pg_catalog.text DEFAULT '',
 									   wait pg_catalog.bool DEFAULT true,
 									   wait_for pg_catalog.interval DEFAULT NULL)
-RETURNS TABLE (claimed pg_catalog.bool, state pg_catalog.text, token pg_catalog.int8,
-			   status pg_catalog.int4, body pg_catalog.bytea,
-			   lease_until pg_catalog.timestamptz, expires_at pg_catalog.timestamptz,
-			   phase pg_catalog.text, phase_data pg_catalog.bytea)
+RETURNS SETOF idem.begin_result
 AS 'MODULE_PATHNAME', 'idem_begin'
 LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
 
