@@ -1,8 +1,13 @@
 #!/bin/sh
 # Instructions per call of idem_begin (new key and replay) and
 # idem_complete, counted by callgrind in a single-user backend: 2000 new
-# keys claimed, completed and replayed, each set in one statement.
-# Instruction counts do not depend on the machine's load.
+# keys claimed, completed and replayed, each set in one statement.  Then
+# the whole backend's instructions per one-call statement of a prepared
+# replay, against the primary-key SELECT of the same stored response
+# from a copy of the table (test/bench/peers.sql's plain_keys, vacuumed):
+# the difference between runs of 2100 and 100 statements, so that start-up
+# and shutdown cancel.  Instruction counts do not depend on the machine's
+# load.
 #
 #   sh test/bench/callgrind.sh          (after make install; root or the server's user)
 set -eu
@@ -57,9 +62,42 @@ run() {
 		     END { print b + 0, c + 0, k + 0 }'
 }
 
+# Whole-backend instructions of a run of statements (no toggle).
+total() {
+	name=$1
+	shift
+	printf '%s\n' "$@" >"$dir/$name.sql"
+	rm -rf "$dir/data.$name"
+	cp -a "$dir/data.stmt" "$dir/data.$name"
+	as_owner "valgrind --tool=callgrind --callgrind-out-file='$dir/$name.out' \
+		'$bindir/postgres' --single -D '$dir/data.$name' \
+		-c shared_preload_libraries=idem -c idem.purge_enabled=off \
+		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
+	sed -n 's/^totals: *//p' "$dir/$name.out"
+}
+# k1..k1000 completed in idem.keys and copied into plain_keys.
+as_owner "cp -a '$dir/data' '$dir/data.stmt'"
+printf '%s\n' "$setup" "$claims" "$completes" \
+	"CREATE TABLE plain_keys (LIKE idem.keys INCLUDING ALL);" \
+	"INSERT INTO plain_keys SELECT * FROM idem.keys;" \
+	"VACUUM ANALYZE plain_keys;" "VACUUM ANALYZE idem.keys;" >"$dir/stmt-setup.sql"
+as_owner "'$bindir/postgres' --single -D '$dir/data.stmt' -c shared_preload_libraries=idem \
+	-c idem.purge_enabled=off postgres <'$dir/stmt-setup.sql' >'$dir/stmt-setup.log' 2>&1"
+# n EXECUTEs of the prepared q, keys k1..k1000 in turn.
+statements() {
+	awk -v n="$1" 'BEGIN { for (i = 0; i < n; i++) printf "EXECUTE q(%ck%d%c);\n", 39, i % 1000 + 1, 39 }'
+}
+idem_q="PREPARE q(text) AS SELECT count(*) FROM idem_begin(\$1, 'fp') b WHERE b.state = 'DONE';"
+peer_q="PREPARE q(text) AS SELECT count(*) FROM plain_keys k WHERE k.scope = '' AND k.key = \$1 AND k.status IS NOT NULL;"
+si=$(( $(total si2100 "$idem_q" "$(statements 2100)") - $(total si100 "$idem_q" "$(statements 100)") ))
+sp=$(( $(total sp2100 "$peer_q" "$(statements 2100)") - $(total sp100 "$peer_q" "$(statements 100)") ))
+
 a=$(run a "$setup" "$claims" "$completes")
 b=$(run b "$setup" "$claims" "$completes" "$replays")
 c=$(run c "$setup" "$claims" "$checkpoints")
 echo "$a $b $c" | awk -v n=$n '{
 	printf "instructions per call (callgrind, %d keys): new claim %.1fk, complete %.1fk, replay %.1fk, checkpoint %.1fk\n",
 		n, $1 / n / 1000, $2 / n / 1000, ($4 - $1) / n / 1000, $9 / n / 1000 }'
+echo "$si $sp" | awk '{
+	printf "instructions per one-call statement (prepared, whole backend): replay %.1fk, primary-key SELECT %.1fk (%.2fx)\n",
+		$1 / 2000 / 1000, $2 / 2000 / 1000, $1 / $2 }'
