@@ -321,7 +321,12 @@ ALTER EXTENSION idem UPDATE;
 SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
   FROM pg_extension WHERE extname = 'idem';
 DROP VIEW begin_probe;
+-- A statement prepared before the update runs after it, planned again
+-- against the new function (the same result columns).
+PREPARE begin_prepared(text) AS SELECT claimed, state, status, body FROM idem_begin($1, 'fp');
 ALTER EXTENSION idem UPDATE;
+EXECUTE begin_prepared('u-unbound');
+DEALLOCATE begin_prepared;
 SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
   FROM pg_extension WHERE extname = 'idem';
 SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute
