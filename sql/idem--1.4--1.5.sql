@@ -29,6 +29,29 @@ CREATE TYPE idem.begin_result AS (
 	phase_data	pg_catalog.bytea
 );
 
+/*
+ * Calling idem_begin needs no privilege on its row type; USAGE would let
+ * a role store values of it in tables of its own, which later updates
+ * would then have to drop.  The grants the defaults of the role running
+ * the update made go too.
+ */
+REVOKE ALL ON TYPE idem.begin_result FROM PUBLIC;
+DO $$
+DECLARE
+	r	record;
+BEGIN
+	FOR r IN
+		SELECT a.grantee FROM pg_catalog.pg_type t
+		 CROSS JOIN LATERAL pg_catalog.aclexplode(t.typacl) a
+		 WHERE t.oid OPERATOR(pg_catalog.=) 'idem.begin_result'::pg_catalog.regtype
+		   AND a.grantee OPERATOR(pg_catalog.<>) t.typowner
+	LOOP
+		EXECUTE pg_catalog.format('REVOKE ALL ON TYPE idem.begin_result FROM %s CASCADE',
+			r.grantee::pg_catalog.regrole::pg_catalog.text);
+	END LOOP;
+END
+$$;
+
 DO $$
 DECLARE
 	sig			pg_catalog.text := '@extschema@.idem_begin(pg_catalog.text, pg_catalog.text, pg_catalog.interval, pg_catalog.interval, pg_catalog.text, pg_catalog.bool, pg_catalog.interval)';

@@ -388,6 +388,12 @@ REVOKE ALL ON FUNCTION
 FROM PUBLIC;
 REVOKE ALL ON @extschema@.idem_stats, @extschema@.idem_waits,
 	@extschema@.idem_keys FROM PUBLIC;
+/*
+ * Calling idem_begin needs no privilege on its row type; USAGE would let
+ * a role store values of it in tables of its own, which the extension's
+ * updates would then have to drop.
+ */
+REVOKE ALL ON TYPE idem.begin_result FROM PUBLIC;
 
 /*
  * ALTER DEFAULT PRIVILEGES of the role that runs CREATE EXTENSION apply to
@@ -408,6 +414,8 @@ BEGIN
 				   THEN pg_catalog.format('SCHEMA %I', n.nspname)
 				   WHEN d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
 				   THEN pg_catalog.format('FUNCTION %s', d.objid::pg_catalog.regprocedure)
+				   WHEN d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass
+				   THEN pg_catalog.format('TYPE %s', d.objid::pg_catalog.regtype)
 				   WHEN c.relkind OPERATOR(pg_catalog.=) 'S'
 				   THEN pg_catalog.format('SEQUENCE %s', d.objid::pg_catalog.regclass)
 				   ELSE pg_catalog.format('TABLE %s', d.objid::pg_catalog.regclass)
@@ -426,12 +434,15 @@ BEGIN
 		  LEFT JOIN pg_catalog.pg_proc p
 				 ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_proc'::pg_catalog.regclass
 				AND p.oid OPERATOR(pg_catalog.=) d.objid
+		  LEFT JOIN pg_catalog.pg_type t
+				 ON d.classid OPERATOR(pg_catalog.=) 'pg_catalog.pg_type'::pg_catalog.regclass
+				AND t.oid OPERATOR(pg_catalog.=) d.objid
 		 CROSS JOIN LATERAL pg_catalog.aclexplode(
-				COALESCE(n.nspacl, c.relacl, p.proacl)) a
+				COALESCE(n.nspacl, c.relacl, p.proacl, t.typacl)) a
 		 WHERE e.extname OPERATOR(pg_catalog.=) 'idem'
 		   AND d.deptype OPERATOR(pg_catalog.=) 'e'
 		   AND a.grantee OPERATOR(pg_catalog.<>)
-			   COALESCE(n.nspowner, c.relowner, p.proowner)
+			   COALESCE(n.nspowner, c.relowner, p.proowner, t.typowner)
 		   AND (pg_catalog.age(d.xmin) OPERATOR(pg_catalog.=) 0
 				OR n.nspname OPERATOR(pg_catalog.=) 'idem'
 				OR d.objid OPERATOR(pg_catalog.=) 'idem.keys'::pg_catalog.regclass

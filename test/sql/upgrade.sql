@@ -183,13 +183,15 @@ ALTER DEFAULT PRIVILEGES GRANT SELECT ON TABLES TO regress_idem_reporting;
 ALTER DEFAULT PRIVILEGES GRANT USAGE, SELECT ON SEQUENCES TO regress_idem_reporting;
 ALTER DEFAULT PRIVILEGES GRANT EXECUTE ON FUNCTIONS TO regress_idem_reporting;
 ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT USAGE ON TYPES TO regress_idem_reporting;
 CREATE EXTENSION idem;
 SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema_usage,
        has_table_privilege('regress_idem_reporting', 'idem.keys', 'SELECT') AS keys_select,
        has_sequence_privilege('regress_idem_reporting', 'idem.token_seq', 'SELECT') AS seq_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select,
        has_function_privilege('regress_idem_reporting',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS may_begin;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS may_begin,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
 SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
        AS same_as_fresh
   FROM ext_objects();
@@ -200,6 +202,7 @@ SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n'
 \c regress_idem_defpriv11
 ALTER DEFAULT PRIVILEGES GRANT SELECT ON TABLES TO regress_idem_reporting;
 ALTER DEFAULT PRIVILEGES GRANT USAGE ON SCHEMAS TO regress_idem_reporting;
+ALTER DEFAULT PRIVILEGES GRANT USAGE ON TYPES TO regress_idem_reporting;
 CREATE EXTENSION idem VERSION '1.1';
 GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean)
   TO regress_idem_upgrade_app;
@@ -210,7 +213,8 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
        has_table_privilege('regress_idem_reporting', 'idem_waits', 'SELECT') AS new_view_select,
        has_function_privilege('regress_idem_upgrade_app',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS app_grant_kept;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS app_grant_kept,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
 
 -- An update from 1.2: idem_stats() gains purge_start_failures, so it and
@@ -331,6 +335,13 @@ SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interva
   FROM pg_extension WHERE extname = 'idem';
 SELECT attname, format_type(atttypid, atttypmod) FROM pg_attribute
  WHERE attrelid = 'idem.begin_result'::regclass AND attnum > 0 ORDER BY attnum;
+-- The row type is the owner's alone, as after a fresh install (below):
+-- calling idem_begin needs no privilege on it, and no other role can
+-- make a column of it.
+SELECT acl_text(t.typacl, 'T', t.typowner) AS acl, acl_text(i.initprivs, 'T', t.typowner) AS init_acl
+  FROM pg_type t LEFT JOIN pg_init_privs i ON i.classoid = 'pg_type'::regclass AND i.objoid = t.oid
+ WHERE t.oid = 'idem.begin_result'::regtype \gset type14_
+SELECT :'type14_acl' AS acl, :'type14_init_acl' AS init_acl;
 SELECT rows_digest() = :'rows14' AS rows_unchanged;
 -- The grants on idem_begin are kept, also to a role whose name needs
 -- quoting, and stay out of the initial privileges (pg_dump keeps them).
@@ -348,6 +359,10 @@ SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v13_defs 
 \c regress_idem_v11
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) = :'v13_defs' AS same_as_fresh
   FROM ext_objects();
+SELECT acl_text(t.typacl, 'T', t.typowner) = :'type14_acl' AS same_type_acl,
+       acl_text(i.initprivs, 'T', t.typowner) = :'type14_init_acl' AS same_type_init_acl
+  FROM pg_type t LEFT JOIN pg_init_privs i ON i.classoid = 'pg_type'::regclass AND i.objoid = t.oid
+ WHERE t.oid = 'idem.begin_result'::regtype;
 \c regress_idem_v13
 CREATE EXTENSION amcheck;
 SELECT bt_index_check('idem.keys_pkey', true);
