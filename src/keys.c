@@ -552,9 +552,10 @@ static const Oid begin_result_types[BEGIN_RESULT_COLUMNS] = {
  * idem_begin's columns, before anything is looked at or written: the row
  * type of 1.5 is an ordinary composite type, which its owner can ALTER.
  * An attribute dropped from it reads NULL; any other difference is an
- * error.  Returns whether the row has dropped attributes.
+ * error.  So a row with more attributes than idem's columns has dropped
+ * ones (begin_result_put).
  */
-static bool
+static void
 begin_result_check(TupleDesc desc)
 {
 	int			column = 0;
@@ -580,7 +581,6 @@ begin_result_check(TupleDesc desc)
 				 errmsg("idem_begin is declared with a result row idem does not return"),
 				 errdetail("The row must have the columns claimed, state, token, status, body, lease_until, expires_at, phase and phase_data with the types idem creates them with."),
 				 errhint("Restore the type idem.begin_result as the extension created it.")));
-	return desc->natts != column;
 }
 
 /*
@@ -591,7 +591,7 @@ begin_result_check(TupleDesc desc)
  * executor's expectedDesc, the shape the SQL declaration gives.
  */
 static Tuplestorestate *
-begin_result_store(FunctionCallInfo fcinfo, bool *has_dropped)
+begin_result_store(FunctionCallInfo fcinfo)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	MemoryContext old;
@@ -605,7 +605,7 @@ begin_result_store(FunctionCallInfo fcinfo, bool *has_dropped)
 		ereport(ERROR,
 				(errcode(ERRCODE_FEATURE_NOT_SUPPORTED),
 				 errmsg("materialize mode required, but it is not allowed in this context")));
-	*has_dropped = begin_result_check(rsinfo->expectedDesc);
+	begin_result_check(rsinfo->expectedDesc);
 	old = MemoryContextSwitchTo(rsinfo->econtext->ecxt_per_query_memory);
 	store = tuplestore_begin_heap((rsinfo->allowedModes & SFRM_Materialize_Random) != 0,
 								  false, work_mem);
@@ -622,15 +622,15 @@ begin_result_store(FunctionCallInfo fcinfo, bool *has_dropped)
  * begin_result_check).
  */
 static void
-begin_result_put(Tuplestorestate *store, TupleDesc desc, bool has_dropped,
-				 Datum *values, bool *nulls)
+begin_result_put(Tuplestorestate *store, TupleDesc desc, Datum *values, bool *nulls)
 {
 	Datum	   *row_values = values;
 	bool	   *row_nulls = nulls;
-	int			column = 0;
 
-	if (has_dropped)
+	if (desc->natts > BEGIN_RESULT_COLUMNS)
 	{
+		int			column = 0;
+
 		row_values = palloc(desc->natts * sizeof(Datum));
 		row_nulls = palloc(desc->natts * sizeof(bool));
 		for (int i = 0; i < desc->natts; i++)
@@ -661,7 +661,6 @@ idem_begin(PG_FUNCTION_ARGS)
 	ClaimResult res;
 	KeyTable	kt;
 	Tuplestorestate *store;
-	bool		has_dropped;
 	Datum		values[BEGIN_RESULT_COLUMNS];
 	bool		nulls[BEGIN_RESULT_COLUMNS];
 	instr_time	started;
@@ -705,7 +704,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	}
 	args.result_cxt = CurrentMemoryContext;
 
-	store = begin_result_store(fcinfo, &has_dropped);
+	store = begin_result_store(fcinfo);
 
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
@@ -761,7 +760,7 @@ idem_begin(PG_FUNCTION_ARGS)
 		values[8] = PointerGetDatum(res.phase_data);
 		nulls[8] = false;
 	}
-	begin_result_put(store, rsinfo->expectedDesc, has_dropped, values, nulls);
+	begin_result_put(store, rsinfo->expectedDesc, values, nulls);
 	return (Datum) 0;
 }
 

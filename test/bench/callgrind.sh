@@ -40,21 +40,28 @@ completes="SELECT count(*) FROM idem.keys k, idem_complete(k.key, 'fp', 200, con
 replays="SELECT count(*) FROM generate_series(1, $n) g, idem_begin('k' || g, 'fp') b WHERE b.state = 'DONE';"
 checkpoints="SELECT count(*) FROM idem.keys k, idem_checkpoint(k.key, k.token, 'charge', convert_to('{\"id\":' || k.token || '}', 'UTF8'));"
 
-# Run the statements in a single-user backend under callgrind, counting
-# only inside idem_begin, idem_complete and idem_checkpoint; print
+# cg NAME FROM TOGGLES STATEMENT...: run the statements in a single-user
+# backend under callgrind, on a copy of the data directory FROM, with the
+# callgrind options TOGGLES (empty: the whole backend), into $dir/NAME.out.
+cg() {
+	name=$1 from=$2 toggles=$3
+	shift 3
+	printf '%s\n' "$@" >"$dir/$name.sql"
+	rm -rf "$dir/data.$name"
+	cp -a "$dir/$from" "$dir/data.$name"
+	as_owner "valgrind --tool=callgrind --callgrind-out-file='$dir/$name.out' $toggles \
+		'$bindir/postgres' --single -D '$dir/data.$name' \
+		-c shared_preload_libraries=idem -c idem.purge_enabled=off \
+		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
+}
+
+# Count only inside idem_begin, idem_complete and idem_checkpoint; print
 # "begin complete checkpoint" totals.
 run() {
 	name=$1
 	shift
-	printf '%s\n' "$@" >"$dir/$name.sql"
-	rm -rf "$dir/data.$name"
-	cp -a "$dir/data" "$dir/data.$name"
-	as_owner "valgrind --tool=callgrind --callgrind-out-file='$dir/$name.out' \
-		--toggle-collect=idem_begin --toggle-collect=idem_complete \
-		--toggle-collect=idem_checkpoint \
-		'$bindir/postgres' --single -D '$dir/data.$name' \
-		-c shared_preload_libraries=idem -c idem.purge_enabled=off \
-		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
+	cg "$name" data "--toggle-collect=idem_begin --toggle-collect=idem_complete \
+		--toggle-collect=idem_checkpoint" "$@"
 	callgrind_annotate --inclusive=yes "$dir/$name.out" 2>/dev/null |
 		awk '$2 ~ /^\(/ && $3 ~ /:idem_begin$/ && !b { gsub(",", "", $1); b = $1 }
 		     $2 ~ /^\(/ && $3 ~ /:idem_complete$/ && !c { gsub(",", "", $1); c = $1 }
@@ -62,17 +69,11 @@ run() {
 		     END { print b + 0, c + 0, k + 0 }'
 }
 
-# Whole-backend instructions of a run of statements (no toggle).
+# Whole-backend instructions of a run of statements, on data.stmt.
 total() {
 	name=$1
 	shift
-	printf '%s\n' "$@" >"$dir/$name.sql"
-	rm -rf "$dir/data.$name"
-	cp -a "$dir/data.stmt" "$dir/data.$name"
-	as_owner "valgrind --tool=callgrind --callgrind-out-file='$dir/$name.out' \
-		'$bindir/postgres' --single -D '$dir/data.$name' \
-		-c shared_preload_libraries=idem -c idem.purge_enabled=off \
-		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
+	cg "$name" data.stmt "" "$@"
 	sed -n 's/^totals: *//p' "$dir/$name.out"
 }
 # k1..k1000 completed in idem.keys and copied into plain_keys.

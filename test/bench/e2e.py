@@ -117,7 +117,7 @@ def run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
         for key in keys:
             body = handle(conn, r, key, args.schema)
             assert body is not None and body.startswith(b'{"order"'), (pattern, key, body)
-        client_cpu[2 * wid + i] = time.process_time() - cpu0
+        client_cpu[len(PHASES) * wid + i] = time.process_time() - cpu0
         done[phase].wait()
         go.wait()
     leave.wait()
@@ -151,7 +151,7 @@ def run_pattern(args, pattern, prefix):
     n = args.workers
     ready, go, leave = mp.Barrier(n + 1), mp.Barrier(n + 1), mp.Barrier(n + 1)
     done = {phase: mp.Barrier(n + 1) for phase in PHASES}
-    client_cpu = mp.Array("d", 2 * n)
+    client_cpu = mp.Array("d", len(PHASES) * n)
     procs = [mp.Process(target=worker, args=(args, pattern, prefix, w, ready, go, done, leave,
                                              client_cpu))
              for w in range(n)]
@@ -185,7 +185,8 @@ def measure(args, pattern, procs, ready, go, done, leave, client_cpu):
         if p.exitcode != 0:
             raise SystemExit("e2e: a %s worker failed" % pattern)
     for i, phase in enumerate(PHASES):
-        out[phase].append(sum(client_cpu[2 * w + i] for w in range(n)) * 1e6 / (n * args.requests))
+        cpu = sum(client_cpu[len(PHASES) * w + i] for w in range(n))
+        out[phase].append(cpu * 1e6 / (n * args.requests))
     return out
 
 
