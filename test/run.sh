@@ -8,6 +8,13 @@
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
+# The suites' servers are initialized in the caller's locale, and the
+# expected output is that of UTF-8 databases with English messages
+# (multibyte keys, an ICU collation).  A shell without a locale (a fresh
+# container, env -i) would give SQL_ASCII: run everything under C.UTF-8,
+# which every Debian has.
+LC_ALL=C.UTF-8
+export LC_ALL
 
 pg_config=$(command -v pg_config)
 # No include or require cycle between the project's own modules, and
