@@ -12,9 +12,13 @@ cd "$top"
 # expected output is that of UTF-8 databases with English messages
 # (multibyte keys, an ICU collation).  A shell without a locale (a fresh
 # container, env -i) would give SQL_ASCII: run everything under C.UTF-8,
-# which every Debian has.
+# which every Debian has.  pg_regress unsets LC_ALL and initializes its
+# server in LANG (LC_CTYPE and LC_COLLATE would come first), so LANG is
+# set too.
+LANG=C.UTF-8
 LC_ALL=C.UTF-8
-export LC_ALL
+export LANG LC_ALL
+unset LC_CTYPE LC_COLLATE
 
 pg_config=$(command -v pg_config)
 # No include or require cycle between the project's own modules, and
