@@ -5,7 +5,8 @@
 #
 # Installs the Debian packages it needs if any is missing, starts a cluster
 # (test/cluster.sh, port 55442) with the idem extension, which must already
-# be installed (make && make install), runs pytest with /usr/bin/python3,
+# be installed (make && make install), runs pytest with /usr/bin/python3
+# in its UTF8 database and again in a SQL_ASCII one,
 # then serves the conformance app (tests/apps/conformance_*.py) for ASGI
 # (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
 # with two workers) on ports 55443 and 55444 (IDEM_PY_PORT + 1, + 2) and
@@ -87,44 +88,59 @@ if ! sh "$top/test/cluster.sh" start "$dir" "$port" 'idem.purge_enabled = off'; 
 fi
 
 # 3. The extension, then the tests.  The cluster's superuser is postgres,
-#    which the tests need to move time with idem.clock_offset.
+#    which the tests need to move time with idem.clock_offset.  The suite
+#    runs twice: in the cluster's UTF8 database, then in a SQL_ASCII one,
+#    where psycopg hands text columns over as bytes.
 dsn="host=$dir port=$port user=postgres dbname=postgres"
 if ! "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE EXTENSION idem'; then
 	echo "idem is not installed: run make && make install first" >&2
 	echo "0 passed, 1 failed"
 	exit 1
 fi
-export IDEM_TEST_DSN="$dsn"
-# Nobody listens on this socket: the store is down.
-export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
+ascii_dsn="host=$dir port=$port user=postgres dbname=idem_ascii"
+"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" \
+	-c "CREATE DATABASE idem_ascii TEMPLATE template0 ENCODING 'SQL_ASCII' LOCALE 'C'" &&
+	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$ascii_dsn" -c 'CREATE EXTENSION idem' ||
+	{ echo "0 passed, 1 failed"; exit 1; }
 export IDEM_TEST_PIDFILE="$dir/app.pids"
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$here/src:$here/tests"
 : >"$IDEM_TEST_PIDFILE"
 
-log="$dir/pytest.log"
 cd "$here" || exit 1
-# In the background, so that a signal to this script is handled at once.
-"$py" -m pytest -p no:cacheprovider -q -rfE tests "$@" >"$log" 2>&1 &
-pytest_pid=$!
-wait "$pytest_pid"
-rc=$?
-pytest_pid=""
-cat "$log"
-
-summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1)
-[ -n "$summary" ] || summary=$(tail -1 "$log")
-count() {
-	echo "$summary" | grep -oE "[0-9]+ $1" | head -1 | cut -d' ' -f1
+rc=0
+passed=0
+failed=0
+suite() { # NAME DSN [PYTEST_ARGS...]: pytest against DSN, counts added
+	log="$dir/pytest-$1.log"
+	export IDEM_TEST_DSN="$2"
+	# Nobody listens on this socket: the store is down.
+	export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
+	shift 2
+	# In the background, so that a signal to this script is handled at once.
+	"$py" -m pytest -p no:cacheprovider -q -rfE tests "$@" >"$log" 2>&1 &
+	pytest_pid=$!
+	wait "$pytest_pid"
+	src=$?
+	pytest_pid=""
+	cat "$log"
+	summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1)
+	[ -n "$summary" ] || summary=$(tail -1 "$log")
+	p=$(echo "$summary" | grep -oE "[0-9]+ passed" | head -1 | cut -d' ' -f1)
+	f=$(echo "$summary" | grep -oE "[0-9]+ failed" | head -1 | cut -d' ' -f1)
+	e=$(echo "$summary" | grep -oE "[0-9]+ error" | head -1 | cut -d' ' -f1)
+	f=$(( ${f:-0} + ${e:-0} ))
+	if [ "$src" -ne 0 ] && [ "$f" -eq 0 ]; then
+		f=1            # pytest itself failed (collection, no tests, crash)
+	fi
+	[ "$src" -ne 0 ] && rc=$src
+	passed=$((passed + ${p:-0}))
+	failed=$((failed + f))
 }
-passed=$(count passed)
-failed=$(count failed)
-errors=$(count error)
-passed=${passed:-0}
-failed=$(( ${failed:-0} + ${errors:-0} ))
-if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
-	failed=1            # pytest itself failed (collection, no tests, crash)
-fi
+echo "# pytest: UTF8 database"
+suite utf8 "$dsn" "$@"
+echo "# pytest: SQL_ASCII database"
+suite ascii "$ascii_dsn" "$@"
 
 # 5. The conformance runner against each stack's app under gunicorn.
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE TABLE conf_orders

@@ -38,7 +38,18 @@ def lookup(conn, key, scope=""):
     if row is None:
         return None
     return dict(zip(("state", "token", "status", "lease_until", "expires_at",
-                     "body_size"), row))
+                     "body_size"), (text(row[0]),) + tuple(row[1:])))
+
+
+def text(value):
+    """A text column as str: in a SQL_ASCII database (test.sh runs the
+    suite in one too) psycopg returns text as bytes."""
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def setting(conn, name):
+    """SHOW name, as str."""
+    return text(conn.execute("SHOW " + name).fetchone()[0])
 
 
 def wait_for(predicate, timeout=30.0, step=0.02, what="condition"):

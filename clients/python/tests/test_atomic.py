@@ -10,7 +10,7 @@ import pytest
 from idem_pg import (ClaimNotCompleted, Guard, Outcome, Response, Timeout, atomic,
                      atomic_async)
 
-from conftest import lookup, new_key, wait_for
+from conftest import lookup, new_key, setting, wait_for
 from test_guard import FP, hold_uncommitted_claim
 
 
@@ -127,7 +127,7 @@ def test_lock_timeout_bounds_the_wait_and_is_restored(dsn, db):
             # without lock_timeout the wait lasts as long as the holder
             assert e.value.sqlstate == "55P03" and time.monotonic() - start < 5
             with atomic(conn, new_key(), FP, lock_timeout=0.3) as tx:
-                assert conn.execute("SHOW lock_timeout").fetchone()[0] == "0"
+                assert setting(conn, "lock_timeout") == "0"
                 tx.complete(200, b"")
     finally:
         holder.rollback()

@@ -13,7 +13,7 @@ import pytest
 from idem_pg import (AlreadyCompleted, FailN, FingerprintMismatch,
                      Guard, InjectedFault, InvalidArgument, NoLiveClaim, Outcome,
                      Response, Timeout, TokenSuperseded, Unavailable)
-from idem_pg._common import NOT_STORED_BODY, statements
+from idem_pg._common import NOT_STORED_BODY, BeginRow, statements
 
 from conftest import lookup, new_key, wait_for
 
@@ -85,6 +85,29 @@ def test_conflict(dsn):
     g.do(key, FP, Calls())
     r = g.do(key, "sku=A&qty=2", h)
     assert r.outcome is Outcome.CONFLICT and r.response is None and h.claims == []
+
+
+def test_state_as_bytes_and_unknown_states():
+    """A SQL_ASCII database hands state and phase over as bytes: they are
+    read as text.  A state the client does not know is an error, not an
+    in-flight answer (which would answer 409 to a stored key forever)."""
+    done = BeginRow.of((False, b"DONE", None, 201, b"x", None, None, None, b"charge", None))
+    assert done.state == "DONE" and done.phase == "charge"
+    assert done.outcome() is Outcome.REPLAYED and done.response() == Response(201, b"x")
+    assert BeginRow.of((False, b"CONFLICT", None, None, None)).outcome() is Outcome.CONFLICT
+    assert BeginRow.of((False, b"PROCESSING", 7, None, None)).outcome() is Outcome.IN_FLIGHT
+    with pytest.raises(ValueError, match="unknown state 'EXPIRED'"):
+        BeginRow.of((False, "EXPIRED", None, None, None)).outcome()
+
+
+def test_unknown_state_is_unavailable_without_the_handler(dsn, monkeypatch):
+    key, h = new_key(), Calls()
+    g = Guard(dsn)
+    monkeypatch.setattr(g, "begin", lambda *a, **k: BeginRow.of((False, "EXPIRED", None,
+                                                                  None, None)))
+    r = g.do(key, FP, h)
+    assert r.outcome is Outcome.UNAVAILABLE and r.failed_step == "begin"
+    assert isinstance(r.error, ValueError) and h.claims == []
 
 
 def test_unavailable_when_server_down(down_dsn):

@@ -28,7 +28,7 @@ from idem_pg.atomic import AsyncAtomic, Atomic
 from idem_pg.errors import IdemError, transient
 from idem_pg.wsgi import IdempotencyWSGIMiddleware
 
-from conftest import lookup, new_key
+from conftest import lookup, new_key, setting
 
 FP = "fp-not-stored"
 NOT_STORED = json.loads(NOT_STORED_BODY)
@@ -325,7 +325,7 @@ def test_atomic_timeout_ends_the_server_wait(dsn, db):
                     pass
             assert lock_waiters(db) == 0
             # the session's statement_timeout is back
-            assert conn.execute("SHOW statement_timeout").fetchone()[0] == "0"
+            assert setting(conn, "statement_timeout") == "0"
     finally:
         holder.rollback()
         holder.close()

@@ -15,7 +15,7 @@ from idem_pg import (AlreadyCompleted, AsyncGuard, CheckpointUnreadable, FailN, 
                      InvalidArgument, Outcome, Response, Step, TokenSuperseded)
 from idem_pg._common import StepLog
 
-from conftest import lookup, new_key
+from conftest import lookup, new_key, text
 
 FP = "order=7"
 # The first holder's lease; a takeover moves the server's clock past it.
@@ -36,13 +36,14 @@ def step_tables():
 
 
 def rows(db, key):
-    return db.execute("SELECT step, token FROM step_rows WHERE key = %s ORDER BY step",
-                      [key]).fetchall()
+    return [(text(step), token) for step, token in db.execute(
+        "SELECT step, token FROM step_rows WHERE key = %s ORDER BY step", [key])]
 
 
 def phase_of(db, key):
-    return db.execute("SELECT phase, phase_data FROM idem.keys WHERE key = %s",
-                      [key]).fetchone()
+    phase, data = db.execute("SELECT phase, phase_data FROM idem.keys WHERE key = %s",
+                             [key]).fetchone()
+    return text(phase), data
 
 
 class Work:

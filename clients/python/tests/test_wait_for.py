@@ -14,7 +14,7 @@ import pytest
 from idem_pg import (AsyncGuard, Guard, InvalidArgument, Outcome, Response,
                      atomic, atomic_async)
 
-from conftest import lookup, new_key, wait_for
+from conftest import lookup, new_key, setting, wait_for
 from test_guard import FP, Calls
 
 # bytea escapes, NUL, not UTF-8: a replay must give these bytes back as they are
@@ -253,7 +253,7 @@ def test_atomic_waits_for_a_guard_claim_past_its_lock_timeout(dsn, db):
     held = holder.begin(key, FP)
     dup_dsn, name = named(dsn)
     conn = psycopg.connect(dup_dsn, autocommit=True)
-    before = conn.execute("SHOW lock_timeout").fetchone()[0]
+    before = setting(conn, "lock_timeout")
 
     def claim():
         with atomic(conn, key, FP, lock_timeout=0.5, wait_for=LONG_WAIT) as tx:
@@ -267,7 +267,7 @@ def test_atomic_waits_for_a_guard_claim_past_its_lock_timeout(dsn, db):
         (outcome, response), elapsed = dup.result()
         assert outcome is Outcome.REPLAYED and response == Response(201, BODY)
         assert elapsed < LONG_WAIT / 2
-        assert conn.execute("SHOW lock_timeout").fetchone()[0] == before
+        assert setting(conn, "lock_timeout") == before
     finally:
         conn.close()
 

@@ -474,6 +474,17 @@ class Statements:
         return sql.SQL("SELECT " + ", ".join(parts)), args
 
 
+def text(value: Any) -> Any:
+    """A text column as str.  In a SQL_ASCII database psycopg hands every
+    text value over as bytes, since it cannot know their encoding; the
+    values this client reads are idem's own (ASCII), settings, and phase
+    names that a client sent as UTF-8.  Undecodable bytes are kept as
+    surrogates, so a value sent back compares equal."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return bytes(value).decode("utf-8", "surrogateescape")
+    return value
+
+
 @dataclass(frozen=True)
 class BeginRow:
     """The row idem_begin answered.  ``lease_left``: seconds from the
@@ -495,10 +506,11 @@ class BeginRow:
     @classmethod
     def of(cls, row, offset_s: float = 0.0) -> "BeginRow":
         claimed, state, token, status, body = row[:5]
+        state = text(state)
         lease_until = row[5] if len(row) > 5 else None
         expires_at = row[6] if len(row) > 6 else None
         now = row[7] if len(row) > 7 else None
-        phase = row[8] if len(row) > 8 else None
+        phase = text(row[8]) if len(row) > 8 else None
         phase_data = row[9] if len(row) > 9 else None
         if body is not None and not isinstance(body, bytes):
             body = bytes(body)
@@ -517,7 +529,11 @@ class BeginRow:
             return Outcome.REPLAYED
         if self.state == "CONFLICT":
             return Outcome.CONFLICT
-        return Outcome.IN_FLIGHT
+        if self.state == "PROCESSING":
+            return Outcome.IN_FLIGHT
+        # Not a guess: IN_FLIGHT would turn a stored answer into a 409
+        # forever, and EXECUTED would run the handler again.
+        raise ValueError("idem_begin answered an unknown state %r" % (self.state,))
 
     def response(self) -> Optional[Response]:
         if self.state != "DONE" or self.claimed:
@@ -543,6 +559,12 @@ SET_BOUNDS = ("SELECT pg_catalog.current_setting('lock_timeout'),"
               " pg_catalog.current_setting('statement_timeout')), true)")
 RESTORE = ("SELECT pg_catalog.set_config('lock_timeout', %s::text, true),"
            " pg_catalog.set_config('statement_timeout', %s::text, true)")
+
+
+def saved_bounds(row: Any) -> list:
+    """RESTORE's parameters from SET_BOUNDS's row: the two settings as str
+    (bytes would be sent as bytea, and set as its hex form)."""
+    return [text(row[0]), text(row[1])]
 SET_CLOCK = "SELECT pg_catalog.set_config('idem.clock_offset', %s::text, true)"
 
 

@@ -24,7 +24,8 @@ from psycopg import pq
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, BeginRow,
                       Claim, Outcome, Response, Result, Seconds, Statements, StepLog,
                       as_response, bounds, check_wait, fault_error, interval,
-                      offset_seconds, offset_text, seconds, statements, wait_seconds)
+                      offset_seconds, offset_text, saved_bounds, seconds, statements,
+                      text, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support
@@ -298,7 +299,7 @@ class AsyncGuard:
         try:
             if b is not None:
                 await cur.execute(SET_BOUNDS, b)
-                prev = list(await cur.fetchone())[:2]
+                prev = saved_bounds(await cur.fetchone())
             await cur.execute(query, params)
             if b is not None:
                 await cur.execute(RESTORE, prev)
@@ -379,6 +380,7 @@ class AsyncGuard:
         try:
             row = await self.begin(key, fingerprint, lease=lease, retention=retention,
                                    scope=scope, wait=wait, wait_for=wait_for, on_row=seen)
+            outcome = row.outcome()
         except asyncio.CancelledError:
             if "token" in got:  # claimed, and the COMMIT may have gone through
                 await asyncio.shield(self._release_quietly(result, key, got["token"], scope))
@@ -389,7 +391,6 @@ class AsyncGuard:
             result.error = translate(exc)
             result.failed_step = "begin"
             return result
-        outcome = row.outcome()
         if outcome is not Outcome.EXECUTED:
             result.outcome = outcome
             result.response = row.response()

@@ -36,8 +36,8 @@ import psycopg
 from psycopg import pq
 
 from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
-                      Statements, bounds, check_wait, interval, ms, seconds, statements,
-                      wait_seconds)
+                      Statements, bounds, check_wait, interval, ms, saved_bounds, seconds,
+                      statements, wait_seconds)
 from .aio import abort_statement
 from .errors import ClaimNotCompleted, not_found, retry_transaction, translate
 
@@ -109,7 +109,7 @@ class Atomic:
             with self.conn.cursor() as cur:
                 if bounds is not None:
                     cur.execute(_SET_BOUNDS, bounds)
-                    prev = cast(Sequence[Any], cur.fetchone())[:2]
+                    prev = saved_bounds(cur.fetchone())
                 cur.execute(self._sql.complete, args)
                 self.expires_at = cur.fetchone()[0]
                 if bounds is not None:
@@ -129,7 +129,7 @@ class AsyncAtomic(Atomic):
             async with self.conn.cursor() as cur:
                 if bounds is not None:
                     await cur.execute(_SET_BOUNDS, bounds)
-                    prev = cast(Sequence[Any], await cur.fetchone())[:2]
+                    prev = saved_bounds(await cur.fetchone())
                 await cur.execute(self._sql.complete, args)
                 self.expires_at = (await cur.fetchone())[0]
                 if bounds is not None:
@@ -365,7 +365,7 @@ def _claim(conn: psycopg.Connection, st: Statements, key: str, fingerprint: str,
                 prev = None
                 if bounds is not None:
                     cur.execute(_SET_BOUNDS, bounds)
-                    prev = cast(Sequence[Any], cur.fetchone())[:2]
+                    prev = saved_bounds(cur.fetchone())
                 cur.execute(query, params)
                 tx.row = BeginRow.of(cur.fetchone())
                 if prev is not None:
@@ -409,7 +409,7 @@ async def _claim_async(conn: psycopg.AsyncConnection, st: Statements, key: str,
                 prev = None
                 if bounds is not None:
                     await cur.execute(_SET_BOUNDS, bounds)
-                    prev = cast(Sequence[Any], await cur.fetchone())[:2]
+                    prev = saved_bounds(await cur.fetchone())
                 await cur.execute(query, params)
                 tx.row = BeginRow.of(await cur.fetchone())
                 if prev is not None:

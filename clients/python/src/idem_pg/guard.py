@@ -27,7 +27,8 @@ from psycopg import pq
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Claim,
                       Outcome, Response, Result, Seconds, Statements, StepLog, _Support,
                       as_response, bounds, check_wait, fault_error, interval,
-                      offset_seconds, offset_text, seconds, statements, wait_seconds)
+                      offset_seconds, offset_text, saved_bounds, seconds, statements,
+                      text, wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
                      transient)
 
@@ -350,7 +351,7 @@ class Guard:
         try:
             if b is not None:
                 cur.execute(SET_BOUNDS, b)
-                prev = list(cur.fetchone())[:2]
+                prev = saved_bounds(cur.fetchone())
             cur.execute(query, params)
             if b is not None:
                 cur.execute(RESTORE, prev)
@@ -384,7 +385,7 @@ class Guard:
         if row is None:
             return None
         names = ("state", "token", "status", "lease_until", "expires_at", "body_size")
-        return dict(zip(names, row))
+        return dict(zip(names, (text(row[0]),) + tuple(row[1:])))
 
     # -- the guard ---------------------------------------------------------------
 
@@ -431,11 +432,11 @@ class Guard:
         try:
             row = self.begin(key, fingerprint, lease=lease, retention=retention,
                              scope=scope, wait=wait, wait_for=wait_for)
+            outcome = row.outcome()
         except Exception as exc:  # noqa: BLE001 - no claim, no handler
             result.error = translate(exc)
             result.failed_step = "begin"
             return result
-        outcome = row.outcome()
         if outcome is not Outcome.EXECUTED:
             result.outcome = outcome
             result.response = row.response()
