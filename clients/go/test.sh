@@ -8,7 +8,8 @@
 # The idem extension must be installed already (make install).  Installs
 # Debian's Go and pgx v4 packages if they are missing, starts a cluster
 # with test/cluster.sh (as root, its server runs as the user idemtest),
-# runs CREATE EXTENSION idem and `go test` in GOPATH mode, always stops the
+# runs CREATE EXTENSION idem and `go test` in GOPATH mode (in the UTF8
+# database postgres, then in test/odd_database.sql's), always stops the
 # cluster, and ends with a line "N passed, N failed" counting the Go test
 # cases (tests and subtests).
 set -u
@@ -66,6 +67,10 @@ sh "$root/test/cluster.sh" start "$dir" "$port" 'idem.purge_enabled = off' || {
 psql="$(pg_config --bindir)/psql"
 "$psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 \
 	-c 'CREATE EXTENSION idem' || fail "CREATE EXTENSION idem failed"
+# The second run's database: SQL_ASCII, with DateStyle, TimeZone,
+# IntervalStyle, bytea_output and extra_float_digits far from their defaults.
+"$psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 \
+	-f "$root/test/odd_database.sql" || fail "could not create the idem_odd database"
 
 # 3. go test in GOPATH mode: the package is linked into a temporary GOPATH.
 mkdir -p "$work/gopath/src/idem/clients" &&
@@ -73,18 +78,26 @@ mkdir -p "$work/gopath/src/idem/clients" &&
 [ -n "${GOCACHE:-}" ] || [ -n "${HOME:-}" ] || GOCACHE="$work/gocache"
 [ -n "${GOCACHE:-}" ] && export GOCACHE
 log="$work/go-test.log"
-# In the background, so that a signal interrupts the wait and the trap
-# stops the cluster at once.
-(
-	cd "$work/gopath/src/idem/clients/go" &&
-		GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
-			IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=postgres" \
-			exec go test -v -count=1 -timeout 300s ./idempotency/
-) >"$log" 2>&1 &
-gotest=$!
-wait "$gotest"
-rc=$?
-gotest=
+: >"$log"
+rc=0
+# go test against database $1, its output added to $log.  In the background,
+# so that a signal interrupts the wait and the trap stops the cluster at once.
+run_go() {
+	echo "# go test: database $1" >>"$log"
+	(
+		cd "$work/gopath/src/idem/clients/go" &&
+			GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
+				IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=$1" \
+				exec go test -v -count=1 -timeout 300s ./idempotency/
+	) >>"$log" 2>&1 &
+	gotest=$!
+	wait "$gotest"
+	grc=$?
+	gotest=
+	[ "$grc" -ne 0 ] && rc=$grc
+}
+run_go postgres
+run_go idem_odd
 cat "$log"
 
 # 4. Count the cases.

@@ -6,7 +6,8 @@
 # Installs Debian's nodejs and npm if node or npm is missing (Node 18 or
 # later), the locked npm modules (npm ci), starts a cluster on port 55452
 # (IDEM_NODE_PORT) under /tmp with test/cluster.sh, creates the extension
-# (which must be installed: make && make install), runs node --test, then
+# (which must be installed: make && make install), runs node --test (in
+# its UTF8 database and again in test/odd_database.sql's), then
 # test/http/conformance.py against test/conformance_app.js and tsc --strict
 # over test/types/example.ts (neither when IDEM_NODE_TESTS picks tests),
 # and prints "N passed, N failed".  The cluster and any app server the
@@ -89,24 +90,41 @@ export IDEM_TEST_PIDFILE="$pids"
 psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 ||
 	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
 
+# The suite runs twice: in the cluster's UTF8 database, then in idem_odd
+# (test/odd_database.sql: SQL_ASCII, with DateStyle, TimeZone,
+# IntervalStyle, bytea_output and extra_float_digits far from their
+# defaults).
+psql -X -q -v ON_ERROR_STOP=1 -f "$root/test/odd_database.sql" >"$work/psql-odd.log" 2>&1 ||
+	{ cat "$work/psql-odd.log" >&2; fail_setup "could not create the idem_odd database"; }
+
 # The runner gets its own process group (setsid) so that cleanup can stop
 # it with every test process and app server under it.
 newgroup=""
 command -v setsid >/dev/null 2>&1 && newgroup="setsid -w"
-(
-	$newgroup sh -c 'echo $$ >"$0"; c=$1; shift; exec node --test --test-reporter=tap $c "$@"' \
-		"$work/node.pid" "$concurrency" ${IDEM_NODE_TESTS:-test/*.test.js}
-	echo $? >"$work/rc"
-) 2>&1 | tee "$work/node.log" &
-wait $!
-
-rc=$(cat "$work/rc" 2>/dev/null || echo 1)
-passed=$(sed -n 's/^# pass \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
-failed=$(sed -n 's/^# fail \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
-cancelled=$(sed -n 's/^# cancelled \([0-9][0-9]*\)$/\1/p' "$work/node.log" | tail -n 1)
-passed=${passed:-0}
-failed=$(( ${failed:-0} + ${cancelled:-0} ))
-[ "$rc" -ne 0 ] && [ "$failed" -eq 0 ] && failed=1
+rc=0
+passed=0
+failed=0
+suite() { # DATABASE: node --test against it, counts added
+	echo "# node --test: database $1"
+	(
+		PGDATABASE=$1 $newgroup sh -c 'echo $$ >"$0"; c=$1; shift; exec node --test --test-reporter=tap $c "$@"' \
+			"$work/node.pid" "$concurrency" ${IDEM_NODE_TESTS:-test/*.test.js}
+		echo $? >"$work/rc"
+	) 2>&1 | tee "$work/node-$1.log" &
+	wait $!
+	src=$(cat "$work/rc" 2>/dev/null || echo 1)
+	rm -f "$work/rc"
+	p=$(sed -n 's/^# pass \([0-9][0-9]*\)$/\1/p' "$work/node-$1.log" | tail -n 1)
+	f=$(sed -n 's/^# fail \([0-9][0-9]*\)$/\1/p' "$work/node-$1.log" | tail -n 1)
+	c=$(sed -n 's/^# cancelled \([0-9][0-9]*\)$/\1/p' "$work/node-$1.log" | tail -n 1)
+	f=$(( ${f:-0} + ${c:-0} ))
+	[ "$src" -ne 0 ] && [ "$f" -eq 0 ] && f=1
+	[ "$src" -ne 0 ] && rc=$src
+	passed=$((passed + ${p:-0}))
+	failed=$((failed + f))
+}
+suite postgres
+suite idem_odd
 
 # The conformance app of test/http/README.md (test/conformance_app.js: two
 # workers under node:cluster, a killed one forked again) on port + 1

@@ -6,7 +6,7 @@
 # Installs the Debian packages it needs if any is missing, starts a cluster
 # (test/cluster.sh, port 55442) with the idem extension, which must already
 # be installed (make && make install), runs pytest with /usr/bin/python3
-# in its UTF8 database and again in a SQL_ASCII one,
+# in its UTF8 database and again in test/odd_database.sql's,
 # then serves the conformance app (tests/apps/conformance_*.py) for ASGI
 # (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
 # with two workers) on ports 55443 and 55444 (IDEM_PY_PORT + 1, + 2) and
@@ -89,18 +89,18 @@ fi
 
 # 3. The extension, then the tests.  The cluster's superuser is postgres,
 #    which the tests need to move time with idem.clock_offset.  The suite
-#    runs twice: in the cluster's UTF8 database, then in a SQL_ASCII one,
-#    where psycopg hands text columns over as bytes.
+#    runs twice: in the cluster's UTF8 database, then in idem_odd
+#    (test/odd_database.sql: SQL_ASCII, where psycopg hands text over as
+#    bytes, with DateStyle, TimeZone, IntervalStyle, bytea_output and
+#    extra_float_digits far from their defaults).
 dsn="host=$dir port=$port user=postgres dbname=postgres"
 if ! "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE EXTENSION idem'; then
 	echo "idem is not installed: run make && make install first" >&2
 	echo "0 passed, 1 failed"
 	exit 1
 fi
-ascii_dsn="host=$dir port=$port user=postgres dbname=idem_ascii"
-"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" \
-	-c "CREATE DATABASE idem_ascii TEMPLATE template0 ENCODING 'SQL_ASCII' LOCALE 'C'" &&
-	"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$ascii_dsn" -c 'CREATE EXTENSION idem' ||
+odd_dsn="host=$dir port=$port user=postgres dbname=idem_odd"
+"$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -f "$top/test/odd_database.sql" ||
 	{ echo "0 passed, 1 failed"; exit 1; }
 export IDEM_TEST_PIDFILE="$dir/app.pids"
 export PYTHONDONTWRITEBYTECODE=1
@@ -139,8 +139,8 @@ suite() { # NAME DSN [PYTEST_ARGS...]: pytest against DSN, counts added
 }
 echo "# pytest: UTF8 database"
 suite utf8 "$dsn" "$@"
-echo "# pytest: SQL_ASCII database"
-suite ascii "$ascii_dsn" "$@"
+echo "# pytest: idem_odd database (test/odd_database.sql)"
+suite odd "$odd_dsn" "$@"
 
 # 5. The conformance runner against each stack's app under gunicorn.
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE TABLE conf_orders

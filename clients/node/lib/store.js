@@ -33,6 +33,20 @@ function toBuffer(body) {
   throw new TypeError('body must be a Buffer, a Uint8Array or a string');
 }
 
+/**
+ * A timestamptz expression as whole milliseconds since the epoch (int8):
+ * the server's text form of a timestamp follows the session's DateStyle
+ * and TimeZone, which node-pg's parser reads only in the ISO style.
+ */
+function epochMs(expr) {
+  return `(pg_catalog.date_part('epoch', ${expr}) OPERATOR(pg_catalog.*) 1000::pg_catalog.float8)::pg_catalog.int8`;
+}
+
+/** A Date from epochMs's column (a string, or a bigint with a custom parser), or null. */
+function msDate(value) {
+  return value == null ? null : new Date(Number(value));
+}
+
 /** A token parameter (int8 as text), or null. */
 function tokenParam(token) {
   if (token == null) return null;
@@ -60,23 +74,26 @@ function checkStatus(status) {
 class Store {
   constructor(options = {}) {
     const s = quoteIdent(options.schema ?? 'public');
+    const beginTimes = `b.*, ${epochMs('b.lease_until')} AS lease_until_ms, ${epochMs('b.expires_at')} AS expires_at_ms`;
     this.schema = options.schema ?? 'public';
     this.sql = {
       // Every column, read by name: phase and phase_data (a takeover's recovery
-      // point) where the server has them, the rest from any idem_begin.
-      begin: `SELECT * FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean)`,
+      // point) where the server has them, the rest from any idem_begin; the
+      // times as epochMs.
+      begin: `SELECT ${beginTimes} FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text,` +
+        ' $6::boolean) b',
       // The form with wait_for, used only when a wait is asked for, so that a database
       // whose idem_begin has no wait_for keeps working with the six-argument form.
-      beginWait: `SELECT * FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text, $6::boolean,` +
-        ' $7::interval)',
+      beginWait: `SELECT ${beginTimes} FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text,` +
+        ' $6::boolean, $7::interval) b',
       checkpoint: `SELECT true AS ok FROM ${s}.idem_checkpoint($1::text, $2::bigint, $3::text, $4::bytea, $5::text)`,
       hold: `SELECT true AS ok FROM ${s}.idem_hold($1::text, $2::bigint, $3::text)`,
-      complete: `SELECT ${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
-        ' $6::interval, $7::text) AS expires_at',
+      complete: `SELECT ${epochMs(`${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
+        ' $6::interval, $7::text)')} AS expires_at_ms`,
       release: `SELECT ${s}.idem_release($1::text, $2::bigint, $3::text) AS released`,
-      extend: `SELECT ${s}.idem_extend($1::text, $2::bigint, $3::interval, $4::text) AS lease_until`,
-      lookup: 'SELECT state, token, status, lease_until, expires_at, body_size' +
-        ` FROM ${s}.idem_lookup($1::text, $2::text)`,
+      extend: `SELECT ${epochMs(`${s}.idem_extend($1::text, $2::bigint, $3::interval, $4::text)`)} AS lease_until_ms`,
+      lookup: `SELECT state, token, status, ${epochMs('lease_until')} AS lease_until_ms,` +
+        ` ${epochMs('expires_at')} AS expires_at_ms, body_size FROM ${s}.idem_lookup($1::text, $2::text)`,
     };
   }
 
@@ -121,8 +138,8 @@ class Store {
       token: row.token == null ? null : BigInt(row.token),
       status: row.status,
       body: row.body,
-      leaseUntil: row.lease_until,
-      expiresAt: row.expires_at,
+      leaseUntil: msDate(row.lease_until_ms),
+      expiresAt: msDate(row.expires_at_ms),
       // The recovery point a takeover returns (idem 1.4 with checkpoints): null otherwise.
       phase: row.claimed && row.phase != null && row.phase !== '' ? row.phase : null,
       phaseData: row.claimed && row.phase != null && row.phase !== '' ? (row.phase_data ?? null) : null,
@@ -153,7 +170,7 @@ class Store {
     const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'), checkStatus(status),
       toBuffer(body), tokenParam(token), intervalParam(retention, 'retention'), checkText(scope, 'scope')];
     const res = await this._query(client, this.sql.complete, values);
-    return res.rows[0].expires_at;
+    return msDate(res.rows[0].expires_at_ms);
   }
 
   /** idem_release: give the claim up; true if the key is free now. */
@@ -167,7 +184,7 @@ class Store {
   async extend(client, { key, token = null, lease, scope = '' }) {
     const values = [checkText(key, 'key'), tokenParam(token), intervalParam(lease, 'lease'), checkText(scope, 'scope')];
     const res = await this._query(client, this.sql.extend, values);
-    return res.rows[0].lease_until;
+    return msDate(res.rows[0].lease_until_ms);
   }
 
   /** idem_lookup (operators): the stored row without its body, or null. */
@@ -179,8 +196,8 @@ class Store {
       state: r.state,
       token: r.token == null ? null : BigInt(r.token),
       status: r.status,
-      leaseUntil: r.lease_until,
-      expiresAt: r.expires_at,
+      leaseUntil: msDate(r.lease_until_ms),
+      expiresAt: msDate(r.expires_at_ms),
       bodySize: r.body_size,
     };
   }

@@ -271,8 +271,10 @@ test('storeStatus per route; Idempotency-Expires is the key\'s expires_at, on th
   const key = uniqueKey('policy');
   const a = await post(`${keep418.url}/orders`, key, { 'X-Status': '418' });
   assert.equal(a.status, 418);
-  const row = await pool.query('SELECT expires_at FROM public.idem_lookup($1::text, \'\')', [key]);
-  assert.equal(a.headers.get('idempotency-expires'), row.rows[0].expires_at.toUTCString());
+  // As epoch milliseconds: the text form follows the database's DateStyle (the suite also runs in 'SQL, DMY').
+  const row = await pool.query('SELECT (extract(epoch FROM expires_at) * 1000)::int8 AS ms' +
+    ' FROM public.idem_lookup($1::text, \'\')', [key]);
+  assert.equal(a.headers.get('idempotency-expires'), new Date(Number(row.rows[0].ms)).toUTCString());
   const b = await post(`${keep418.url}/orders`, key, { 'X-Status': '418' });
   assert.equal(b.headers.get('idempotent-replayed'), 'true');
   assert.equal(b.headers.get('idempotency-expires'), a.headers.get('idempotency-expires'));

@@ -34,7 +34,7 @@ def lookup(conn, key, scope=""):
     """The stored row of a key as a dict (operator view), or None."""
     row = conn.execute(
         "SELECT state, token, status, lease_until, expires_at, body_size"
-        " FROM public.idem_lookup(%s::text, %s::text)", [key, scope]).fetchone()
+        " FROM public.idem_lookup(%s::text, %s::text)", [key, scope], binary=True).fetchone()
     if row is None:
         return None
     return dict(zip(("state", "token", "status", "lease_until", "expires_at",

@@ -78,7 +78,8 @@ def test_pool_source_and_heartbeat(dsn):
                 # claim's first lease_until, without blocking the event
                 # loop the heartbeat runs on
                 cur = await watch.execute(
-                    "SELECT lease_until FROM public.idem_lookup(%s::text, '')", [key])
+                    "SELECT lease_until FROM public.idem_lookup(%s::text, '')", [key],
+                    binary=True)
                 end = (await cur.fetchone())[0] + timedelta(seconds=HB_LEASE / 2)
                 deadline = time.monotonic() + 60
                 while not await server_past(end):

@@ -169,7 +169,8 @@ class AsyncGuard:
                               "a claim made there would not commit on its own")
         timeout = self.timeout + extra if self.timeout else None
         try:
-            async with conn.cursor() as cur:
+            # Results in binary, as in Guard._exec.
+            async with conn.cursor(binary=True) as cur:
                 if conn.autocommit:
                     await cur.execute("BEGIN")
                 pre = Statements.prelude(timeout, offset_text(offset_s))

@@ -106,7 +106,7 @@ class Atomic:
         args = self._complete_args(status, body, retention)
         bounds = _bounds(None, self.timeout)
         try:
-            with self.conn.cursor() as cur:
+            with self.conn.cursor(binary=True) as cur:
                 if bounds is not None:
                     cur.execute(_SET_BOUNDS, bounds)
                     prev = saved_bounds(cur.fetchone())
@@ -126,7 +126,7 @@ class AsyncAtomic(Atomic):
         args = self._complete_args(status, body, retention)
         bounds = _bounds(None, self.timeout)
         try:
-            async with self.conn.cursor() as cur:
+            async with self.conn.cursor(binary=True) as cur:
                 if bounds is not None:
                     await cur.execute(_SET_BOUNDS, bounds)
                     prev = saved_bounds(await cur.fetchone())
@@ -361,7 +361,9 @@ def _claim(conn: psycopg.Connection, st: Statements, key: str, fingerprint: str,
     with conn.transaction():
         tx = Atomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
-            with conn.cursor() as cur:
+            # Results in binary: timestamps, bytea and integers do not
+            # depend on the session's DateStyle, TimeZone or bytea_output.
+            with conn.cursor(binary=True) as cur:
                 prev = None
                 if bounds is not None:
                     cur.execute(_SET_BOUNDS, bounds)
@@ -405,7 +407,7 @@ async def _claim_async(conn: psycopg.AsyncConnection, st: Statements, key: str,
     async with conn.transaction():
         tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
-            async with conn.cursor() as cur:
+            async with conn.cursor(binary=True) as cur:
                 prev = None
                 if bounds is not None:
                     await cur.execute(_SET_BOUNDS, bounds)

@@ -223,7 +223,9 @@ class Guard:
                               "a claim made there would not commit on its own")
         timer = None
         try:
-            with conn.cursor() as cur:
+            # Results in binary: timestamps, bytea and integers do not
+            # depend on the session's DateStyle, TimeZone or bytea_output.
+            with conn.cursor(binary=True) as cur:
                 if conn.autocommit:
                     cur.execute("BEGIN")
                 # (without autocommit psycopg has just begun the transaction itself)
