@@ -7,7 +7,8 @@
 # calls (a missing schema or function named), a timeout after the claim
 # committed, and a cancel held by a proxy (the server ends the wait).
 # The test program test/guard/guard_test prints one line per case; each
-# line must be exactly as listed here.
+# line must be exactly as listed here, in the database postgres and in
+# test/odd_database.sql's.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -32,17 +33,22 @@ my $down = 'host=' . $node->host . ' port='
   . PostgreSQL::Test::Cluster::get_free_port()
   . ' dbname=postgres connect_timeout=2';
 
-# A guard that hangs (a heartbeat that cannot be stopped) fails the test
-# instead of blocking it: the program is killed after the timeout.
-my ($stdout, $stderr) = (q{}, q{});
-my $ok = eval {
-	IPC::Run::run([ $program, $node->connstr('postgres'), $down ],
-		'>', \$stdout, '2>', \$stderr,
-		IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default));
-};
-diag("guard test program: $@") if $@;
-ok($ok, 'guard test program exits 0') or diag($stderr);
-my %got = map { /^(\w+)(?:: (.*))?$/ ? ($1 => $2 // q{}) : () } split /\n/, $stdout;
+# The program's lines against database $db, by case.  A guard that hangs
+# (a heartbeat that cannot be stopped) fails the test instead of blocking
+# it: the program is killed after the timeout.
+sub run_guard
+{
+	my ($db) = @_;
+	my ($stdout, $stderr) = (q{}, q{});
+	my $ok = eval {
+		IPC::Run::run([ $program, $node->connstr($db), $down ],
+			'>', \$stdout, '2>', \$stderr,
+			IPC::Run::timeout($PostgreSQL::Test::Utils::timeout_default));
+	};
+	diag("guard test program: $@") if $@;
+	ok($ok, "$db: guard test program exits 0") or diag($stderr);
+	return map { /^(\w+)(?:: (.*))?$/ ? ($1 => $2 // q{}) : () } split /\n/, $stdout;
+}
 
 my @expected = (
 	# A new key runs the handler and stores its response; the same key
@@ -149,23 +155,32 @@ my @expected = (
 	[ wait_for_runs_out => 'outcome=IN_FLIGHT failed=none calls=0' ],
 	[ done => '' ]);
 
-foreach my $case (@expected)
+# The same cases in the cluster's database, then in test/odd_database.sql's
+# (SQL_ASCII, with DateStyle, TimeZone, IntervalStyle, bytea_output and
+# extra_float_digits far from their defaults): the guard reads nothing in
+# a form those settings change.
+$node->safe_psql('postgres', slurp_file("$top/test/odd_database.sql"));
+foreach my $db ('postgres', 'idem_odd')
 {
-	my ($name, $line) = @$case;
-	is($got{$name}, $line, $name);
+	my %got = run_guard($db);
+	foreach my $case (@expected)
+	{
+		my ($name, $line) = @$case;
+		is($got{$name}, $line, "$db: $name");
+	}
+
+	# Exactly the keys whose complete failed or whose claim was kept are
+	# left PROCESSING.
+	is( $node->safe_psql(
+			$db,
+			"SELECT string_agg(key, ',' ORDER BY key) FROM idem.keys"
+			  . " WHERE scope = 'gt' AND status IS NULL"),
+		'complete-lost,heartbeat-lost,held,release-fault,superseded,waited-held',
+		"$db: keys left PROCESSING");
+
+	# Every key written has its primary key entry (amcheck).
+	idem_amcheck($node, $db);
 }
-
-# Exactly the keys whose complete failed or whose claim was kept are left
-# PROCESSING.
-is( $node->safe_psql(
-		'postgres',
-		"SELECT string_agg(key, ',' ORDER BY key) FROM idem.keys"
-		  . " WHERE scope = 'gt' AND status IS NULL"),
-	'complete-lost,heartbeat-lost,held,release-fault,superseded,waited-held',
-	'keys left PROCESSING');
-
-# Every key written has its primary key entry (amcheck).
-idem_amcheck($node, 'postgres');
 
 $node->stop;
 done_testing();
