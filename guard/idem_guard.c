@@ -806,8 +806,19 @@ guard_claim(GuardCall *gc, IdemSteps *steps, IdemResult *res)
 		}
 		else if (strcmp(state, "CONFLICT") == 0)
 			res->outcome = IDEM_CONFLICT;
-		else
+		else if (strcmp(state, "PROCESSING") == 0)
 			res->outcome = IDEM_IN_FLIGHT;
+		else
+		{
+			/*
+			 * A state this guard does not know (a newer server): not in
+			 * flight, which would answer a stored response with 409 for as
+			 * long as it is kept.
+			 */
+			idem_guard_error(&err, "idem_begin answered an unknown state \"%.32s\"",
+							 state);
+			fail_step(res, IDEM_STEP_BEGIN, &err);
+		}
 		PQclear(row);
 		return false;
 	}

@@ -1021,6 +1021,29 @@ test_schema(PGconn *conn)
 		   res.sqlstate, res.message, ctx.calls, key_state("no-function"));
 	idem_result_clear(&res);
 
+	/*
+	 * A state the guard does not know (a newer server, played by a
+	 * look-alike): the claim fails, the handler does not run.
+	 */
+	PQclear(query(admin, "CREATE SCHEMA idem_future", 0, NULL));
+	PQclear(query(admin,
+				  "CREATE FUNCTION idem_future.idem_begin(key text, fingerprint text,"
+				  " lease interval, retention interval, scope text, wait boolean)"
+				  " RETURNS TABLE (claimed boolean, state text, token bigint,"
+				  " status integer, body bytea, lease_until timestamptz,"
+				  " expires_at timestamptz) LANGUAGE sql AS"
+				  " $$SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea,"
+				  " NULL::timestamptz, now() + interval '1 day'$$", 0, NULL));
+	opts_init(&opts);
+	opts.schema = "idem_future";
+	ctx_init(&ctx);
+	run(conn, &opts, "future-state", "fp", &ctx, &res);
+	printf("unknown_state: outcome=%s failed=%s message=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.message, ctx.calls);
+	idem_result_clear(&res);
+	PQclear(query(admin, "DROP SCHEMA idem_future CASCADE", 0, NULL));
+
 	snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", user);
 	PQclear(query(admin, sql, 0, NULL));
 	free(user);

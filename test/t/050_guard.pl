@@ -126,6 +126,8 @@ my @expected = (
 	# function is a failed claim that names what it looked for.
 	[ user_schema => 'outcome=EXECUTED failed=none fake_token=no calls=1 state=DONE' ],
 	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 message=schema of "nosuch".idem_begin(text, text, interval, interval, text, boolean) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem calls=1 state=NONE' ],
+	# A state the guard does not know is a failed claim, not in flight.
+	[ unknown_state => 'outcome=UNAVAILABLE failed=begin message=idem_begin answered an unknown state "EXPIRED" calls=0' ],
 	[ function_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 message=function "pg_catalog".idem_begin(text, text, interval, interval, text, boolean, interval) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem (wait_for needs idem 1.4) calls=1 state=NONE' ],
 	# The client timeout fires after the claim (and the response) committed
 	# locally, while the commit waits for a synchronous standby: the claim

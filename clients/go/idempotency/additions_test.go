@@ -8,6 +8,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -501,6 +502,29 @@ func TestUnavailable(t *testing.T) {
 		}
 		if st := lookup(t, store.Scope, "ro-1"); st.found {
 			t.Fatalf("%+v", st)
+		}
+	})
+	t.Run("unknown_state", func(t *testing.T) {
+		// A newer server, played by a look-alike idem_begin: a state the
+		// guard does not know is a failed claim, not in flight.
+		if _, err := testPool.Exec(bg, `CREATE SCHEMA idem_future_go;
+			CREATE FUNCTION idem_future_go.idem_begin(text, text, interval, interval, text, boolean)
+			RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
+			               lease_until timestamptz, expires_at timestamptz)
+			LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea,
+			                          NULL::timestamptz, now() + interval '1 day' $$`); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { testPool.Exec(bg, "DROP SCHEMA idem_future_go CASCADE") })
+		store := NewPostgresStore(testPool)
+		store.Scope = newScope(t)
+		store.Schema = "idem_future_go"
+		g := &Guard{Store: store, Lease: time.Second, Retention: time.Hour}
+		var calls atomic.Int32
+		_, out, err := g.Do(bg, "future-1", "fp", okHandler(&calls))
+		if out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 ||
+			!strings.Contains(err.Error(), `unknown state "EXPIRED"`) {
+			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
 	})
 	t.Run("missing_schema", func(t *testing.T) {

@@ -95,15 +95,20 @@ func (g *Guard) begin(ctx context.Context, key, fingerprint string, now time.Tim
 	return g.Store.Begin(ctx, key, fingerprint, now, g.Lease, g.Retention)
 }
 
-// answer turns a record that was not claimed into Do's result.
+// answer turns a record that was not claimed into Do's result.  A state
+// it does not know is Unavailable, not InFlight: that would answer a
+// stored response with 409 for as long as it is kept.
 func answer(rec Record) (Response, Outcome, error) {
 	switch rec.State {
 	case Done:
 		return rec.Response, Replayed, nil
 	case Conflict:
 		return Response{}, Conflicted, ErrConflict
-	default:
+	case Processing:
 		return Response{}, InFlight, ErrInFlight
+	default:
+		return Response{}, Unavailable,
+			unavailable(fmt.Errorf("the store answered an unknown state %q", string(rec.State)))
 	}
 }
 

@@ -109,6 +109,15 @@ function storesNotStored(err) {
   return !isTransient(err) && !NOT_OURS.has(err.code);
 }
 
+/**
+ * The error of an idem_begin answer whose state the client does not know
+ * (a server newer than the client): not an in-flight answer, which would
+ * answer a stored response with 409 for as long as it is kept.
+ */
+function unknownState(state) {
+  return new UnavailableError(`idem: idem_begin answered an unknown state ${JSON.stringify(state)}`);
+}
+
 module.exports = {
   IdemError,
   FingerprintMismatchError,
@@ -122,4 +131,5 @@ module.exports = {
   isTransient,
   isRetryableTransaction,
   storesNotStored,
+  unknownState,
 };

@@ -2,7 +2,7 @@
 
 const {
   IdemError, UnavailableError, TimeoutError, TokenSupersededError, NoClaimError,
-  AlreadyCompletedError, toIdemError, isDatabaseError, isTransient, storesNotStored,
+  AlreadyCompletedError, toIdemError, isDatabaseError, isTransient, storesNotStored, unknownState,
 } = require('./errors');
 const { Store } = require('./store');
 const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
@@ -201,8 +201,12 @@ class Guard {
         result.expiresAt = row.expiresAt ?? null;
       } else if (row.state === 'CONFLICT') {
         result.outcome = Outcome.CONFLICT;
-      } else {
+      } else if (row.state === 'PROCESSING') {
         result.outcome = Outcome.IN_FLIGHT;
+      } else {
+        // Not in flight: that would answer a stored response with 409 for as long as it is kept.
+        result.error = unknownState(row.state);
+        result.failedStep = 'begin';
       }
       return result;
     }

@@ -1,6 +1,6 @@
 'use strict';
 
-const { IdemError, toIdemError, storesNotStored, isRetryableTransaction } = require('./errors');
+const { IdemError, toIdemError, storesNotStored, isRetryableTransaction, unknownState } = require('./errors');
 const { Store } = require('./store');
 const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
@@ -122,6 +122,7 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
       }
       const none = { response: null, token: null, expiresAt: null, notStored: false };
       if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, ...none, leaseUntil: null };
+      if (row.state !== 'PROCESSING') throw unknownState(row.state);
       return { outcome: Outcome.IN_FLIGHT, ...none, leaseUntil: row.leaseUntil ?? null };
     }
 

@@ -230,6 +230,38 @@ test('waitFor on a database whose idem_begin has no wait_for: the six-argument c
   assert.doesNotMatch(calls()[2], /\$7/);
 });
 
+test('a state the client does not know (a newer server) is a failed claim, not in flight: guard and transaction()', async (t) => {
+  const admin = new pg.Client();
+  await admin.connect();
+  const schema = `idem_future_${process.pid}`;
+  await admin.query(`CREATE SCHEMA ${schema};
+    CREATE FUNCTION ${schema}.idem_begin(text, text, interval, interval, text, boolean)
+      RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
+                     lease_until timestamptz, expires_at timestamptz)
+      LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea, NULL::timestamptz,
+                                now() + interval '1 day' $$;`);
+  t.after(async () => {
+    await admin.query(`DROP SCHEMA ${schema} CASCADE`);
+    await admin.end();
+  });
+  let calls = 0;
+  const handler = async () => { calls++; return { status: 201, body: 'x' }; };
+  const r = await new Guard(pool, { schema }).do(uniqueKey('future'), 'fp', handler);
+  assert.equal(r.outcome, Outcome.UNAVAILABLE);
+  assert.equal(r.failedStep, 'begin');
+  assert.ok(r.error instanceof UnavailableError);
+  assert.match(r.error.message, /unknown state "EXPIRED"/);
+  const c = await pool.connect();
+  try {
+    await assert.rejects(idem.transaction(c, uniqueKey('future-tx'), 'fp', handler, { schema }),
+      (err) => err instanceof UnavailableError && /unknown state "EXPIRED"/.test(err.message));
+    assert.equal((await c.query('SELECT pg_catalog.txid_current_if_assigned() IS NULL AS idle')).rows[0].idle, true);
+  } finally {
+    c.release();
+  }
+  assert.equal(calls, 0);
+});
+
 test('conflict: the key with another fingerprint, nothing revealed, the handler not called', async () => {
   const guard = new Guard(pool);
   const key = uniqueKey('conflict');
