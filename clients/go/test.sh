@@ -67,8 +67,8 @@ sh "$root/test/cluster.sh" start "$dir" "$port" 'idem.purge_enabled = off' || {
 psql="$(pg_config --bindir)/psql"
 "$psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 \
 	-c 'CREATE EXTENSION idem' || fail "CREATE EXTENSION idem failed"
-# The second run's database: SQL_ASCII, with DateStyle, TimeZone,
-# IntervalStyle, bytea_output and extra_float_digits far from their defaults.
+# The second run's database: SQL_ASCII, with the settings that change how
+# values are written and read as text far from their defaults.
 "$psql" -X -q -h "$dir" -p "$port" -U postgres -d postgres -v ON_ERROR_STOP=1 \
 	-f "$root/test/odd_database.sql" || fail "could not create the idem_odd database"
 

@@ -91,9 +91,8 @@ psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 
 	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
 
 # The suite runs twice: in the cluster's UTF8 database, then in idem_odd
-# (test/odd_database.sql: SQL_ASCII, with DateStyle, TimeZone,
-# IntervalStyle, bytea_output and extra_float_digits far from their
-# defaults).
+# (test/odd_database.sql: SQL_ASCII, with the settings that change how
+# values are written and read as text far from their defaults).
 psql -X -q -v ON_ERROR_STOP=1 -f "$root/test/odd_database.sql" >"$work/psql-odd.log" 2>&1 ||
 	{ cat "$work/psql-odd.log" >&2; fail_setup "could not create the idem_odd database"; }
 

@@ -91,8 +91,8 @@ fi
 #    which the tests need to move time with idem.clock_offset.  The suite
 #    runs twice: in the cluster's UTF8 database, then in idem_odd
 #    (test/odd_database.sql: SQL_ASCII, where psycopg hands text over as
-#    bytes, with DateStyle, TimeZone, IntervalStyle, bytea_output and
-#    extra_float_digits far from their defaults).
+#    bytes, with the settings that change how values are written and
+#    read as text far from their defaults).
 dsn="host=$dir port=$port user=postgres dbname=postgres"
 if ! "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE EXTENSION idem'; then
 	echo "idem is not installed: run make && make install first" >&2

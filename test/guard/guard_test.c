@@ -1032,7 +1032,7 @@ test_schema(PGconn *conn)
 				  " RETURNS TABLE (claimed boolean, state text, token bigint,"
 				  " status integer, body bytea, lease_until timestamptz,"
 				  " expires_at timestamptz) LANGUAGE sql AS"
-				  " $$SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea,"
+				  " $$SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),"
 				  " NULL::timestamptz, now() + interval '1 day'$$", 0, NULL));
 	opts_init(&opts);
 	opts.schema = "idem_future";

@@ -158,9 +158,9 @@ my @expected = (
 	[ done => '' ]);
 
 # The same cases in the cluster's database, then in test/odd_database.sql's
-# (SQL_ASCII, with DateStyle, TimeZone, IntervalStyle, bytea_output and
-# extra_float_digits far from their defaults): the guard reads nothing in
-# a form those settings change.
+# (SQL_ASCII, with the settings that change how values are written and
+# read as text far from their defaults): the guard reads nothing in a form
+# those settings change.
 $node->safe_psql('postgres', slurp_file("$top/test/odd_database.sql"));
 foreach my $db ('postgres', 'idem_odd')
 {

@@ -511,7 +511,7 @@ func TestUnavailable(t *testing.T) {
 			CREATE FUNCTION idem_future_go.idem_begin(text, text, interval, interval, text, boolean)
 			RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
 			               lease_until timestamptz, expires_at timestamptz)
-			LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea,
+			LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),
 			                          NULL::timestamptz, now() + interval '1 day' $$`); err != nil {
 			t.Fatal(err)
 		}

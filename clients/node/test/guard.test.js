@@ -238,7 +238,7 @@ test('a state the client does not know (a newer server) is a failed claim, not i
     CREATE FUNCTION ${schema}.idem_begin(text, text, interval, interval, text, boolean)
       RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
                      lease_until timestamptz, expires_at timestamptz)
-      LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, '\\x6f6b'::bytea, NULL::timestamptz,
+      LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,
                                 now() + interval '1 day' $$;`);
   t.after(async () => {
     await admin.query(`DROP SCHEMA ${schema} CASCADE`);
