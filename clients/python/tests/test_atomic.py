@@ -189,3 +189,33 @@ def test_async_helper_and_cancelled_wait(dsn, db):
         holder.close()
     time.sleep(0.3)
     assert lookup(db, key2) is None
+
+
+def test_arguments_reach_the_server(dsn, db):
+    """atomic() with every default sends only the key and fingerprint, and
+    with scope, lease and retention all of them: both reach the server."""
+    def left(scope, key, col, conn=db):
+        # binary: the suite also runs with extra_float_digits = -15
+        return conn.execute("SELECT extract(epoch FROM %s - clock_timestamp())::float8"
+                            " FROM idem.keys WHERE scope = %%s AND key = %%s" % col,
+                            [scope, key], binary=True).fetchone()[0]
+
+    default = db.execute("SELECT setting::int FROM pg_settings"
+                         " WHERE name = 'idem.default_retention'").fetchone()[0]
+    key, key2, key3 = new_key(), new_key(), new_key()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with atomic(conn, key, FP) as tx:
+            tx.complete(200, b"d")
+        with atomic(conn, key2, FP, scope="tenant-arg", lease=30, retention=120) as tx:
+            assert tx.claimed
+            assert 20 < left("tenant-arg", key2, "lease_until", conn) <= 30
+            tx.complete(201, b"s")
+        with atomic(conn, key3, FP, scope="tenant-arg") as tx:
+            tx.complete(202, b"r", retention=90)
+        with atomic(conn, key2, FP, scope="tenant-arg") as tx:
+            assert tx.outcome is Outcome.REPLAYED and tx.response == Response(201, b"s")
+    assert lookup(db, key)["state"] == "DONE" and lookup(db, key, "tenant-arg") is None
+    assert default - 10 < left("", key, "expires_at") <= default
+    assert lookup(db, key2) is None and lookup(db, key2, "tenant-arg")["status"] == 201
+    assert 110 < left("tenant-arg", key2, "expires_at") <= 120
+    assert 80 < left("tenant-arg", key3, "expires_at") <= 90

@@ -433,6 +433,10 @@ class Statements:
         self.begin_wait_phase = begin(cols + ", phase, phase_data", True)
         self.begin_atomic = begin(acols, False)
         self.begin_wait_atomic = begin(acols, True)
+        # atomic() with every default: the arguments left to the server's
+        # defaults are not sent (each costs psycopg a dumper per call).
+        self.begin_atomic_defaults = _render(
+            acols + " FROM {}.idem_begin(%s::text, %s::text)", s)
         self.checkpoint = _render(
             "SELECT {}.idem_checkpoint(%s::text, %s::bigint, %s::text, %b::bytea, %s::text)",
             s)
@@ -441,6 +445,9 @@ class Statements:
         self.complete = _render(
             "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea, "
             "%s::bigint, %s::interval, %s::text)", s)
+        # Without a token, in the scope '' and with the default retention.
+        self.complete_defaults = _render(
+            "SELECT {}.idem_complete(%s::text, %s::text, %s::integer, %b::bytea)", s)
         self.release = _render(
             "SELECT {}.idem_release(%s::text, %s::bigint, %s::text)", s)
         self.extend = _render(

@@ -94,23 +94,28 @@ class Atomic:
         return self._row.response()
 
     def _complete_args(self, status: int, body: Any, retention: Seconds):
+        """idem_complete's statement and parameters."""
         if not self.claimed:
             raise ClaimNotCompleted("complete() without a claim (outcome %s)" % self.outcome)
         resp = Response(status, body)
-        return [self.key, self.fingerprint, resp.status, resp.body, None,
-                interval(self.retention if retention is None else retention), self.scope]
+        retention = self.retention if retention is None else retention
+        if retention is None and self.scope == "":
+            return self._sql.complete_defaults, [self.key, self.fingerprint, resp.status,
+                                                 resp.body]
+        return self._sql.complete, [self.key, self.fingerprint, resp.status, resp.body, None,
+                                    interval(retention), self.scope]
 
     def complete(self, status: int, body: Any = b"", *, retention: Seconds = None):
         """Store the response in this transaction; returns expires_at.
         With the block's ``timeout``, the statement runs under it."""
-        args = self._complete_args(status, body, retention)
+        query, args = self._complete_args(status, body, retention)
         bounds = _bounds(None, self.timeout)
         try:
             with self.conn.cursor(binary=True) as cur:
                 if bounds is not None:
                     cur.execute(_SET_BOUNDS, bounds)
                     prev = saved_bounds(cur.fetchone())
-                cur.execute(self._sql.complete, args)
+                cur.execute(query, args)
                 self.expires_at = cur.fetchone()[0]
                 if bounds is not None:
                     cur.execute(_RESTORE, prev)
@@ -123,14 +128,14 @@ class Atomic:
 class AsyncAtomic(Atomic):
     async def complete(self, status: int, body: Any = b"", *,  # type: ignore[override]
                        retention: Seconds = None):
-        args = self._complete_args(status, body, retention)
+        query, args = self._complete_args(status, body, retention)
         bounds = _bounds(None, self.timeout)
         try:
             async with self.conn.cursor(binary=True) as cur:
                 if bounds is not None:
                     await cur.execute(_SET_BOUNDS, bounds)
                     prev = saved_bounds(await cur.fetchone())
-                await cur.execute(self._sql.complete, args)
+                await cur.execute(query, args)
                 self.expires_at = (await cur.fetchone())[0]
                 if bounds is not None:
                     await cur.execute(_RESTORE, prev)
@@ -149,9 +154,11 @@ def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
     are counted on top of it."""
     check_wait(wait, wait_for)
     w = wait_seconds(wait_for) or 0.0
-    params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
     bounds = _bounds(None if lock_timeout is None else cast(float, seconds(lock_timeout)) + w,
                      None if timeout is None else cast(float, seconds(timeout)) + w)
+    if lease is None and retention is None and scope == "" and wait is True and not w:
+        return st.begin_atomic_defaults, [key, fingerprint], bounds
+    params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
     if w:
         return st.begin_wait_atomic, params + [interval(w)], bounds
     return st.begin_atomic, params, bounds
