@@ -3,7 +3,6 @@ heartbeat, and the traps of issue 15 (uncommitted claims, bodies as
 strings, a timeout that leaves the server waiting)."""
 
 import concurrent.futures
-import threading
 import time
 from datetime import timedelta
 

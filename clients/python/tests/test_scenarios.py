@@ -7,7 +7,6 @@ import asyncio
 import threading
 import time
 
-import pytest
 from psycopg_pool import ConnectionPool
 
 from idem_pg import (AsyncGuard, FailN, Guard, InjectedFault, Outcome, Response,

@@ -10,7 +10,7 @@ import json
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from psycopg import sql
 
@@ -566,13 +566,13 @@ SET_BOUNDS = ("SELECT pg_catalog.current_setting('lock_timeout'),"
               " pg_catalog.current_setting('statement_timeout')), true)")
 RESTORE = ("SELECT pg_catalog.set_config('lock_timeout', %s::text, true),"
            " pg_catalog.set_config('statement_timeout', %s::text, true)")
+SET_CLOCK = "SELECT pg_catalog.set_config('idem.clock_offset', %s::text, true)"
 
 
 def saved_bounds(row: Any) -> list:
     """RESTORE's parameters from SET_BOUNDS's row: the two settings as str
     (bytes would be sent as bytea, and set as its hex form)."""
     return [text(row[0]), text(row[1])]
-SET_CLOCK = "SELECT pg_catalog.set_config('idem.clock_offset', %s::text, true)"
 
 
 def ms(value: Seconds) -> str:

@@ -25,7 +25,7 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, Be
                       Claim, Outcome, Response, Result, Seconds, Statements, StepLog,
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
-                      text, wait_seconds)
+                      wait_seconds)
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support

@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import random
 import time
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, Sequence, cast
+from typing import Any, AsyncIterator, Callable, Iterator, Optional, cast
 
 import psycopg
 from psycopg import pq
