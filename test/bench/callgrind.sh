@@ -1,7 +1,8 @@
 #!/bin/sh
 # Instructions per call of idem_begin (new key and replay) and
 # idem_complete, counted by callgrind in a single-user backend: 2000 new
-# keys claimed, completed and replayed, each set in one statement.  Then
+# keys claimed, completed and replayed, each set in one statement (the
+# replays also on a copy vacuumed after the completes).  Then
 # the whole backend's instructions per one-call statement of a prepared
 # replay, against the primary-key SELECT of the same stored response
 # from a copy of the table (test/bench/peers.sql's plain_keys, vacuumed):
@@ -55,12 +56,12 @@ cg() {
 		-c max_stack_depth=2MB postgres <'$dir/$name.sql' >'$dir/$name.log' 2>&1"
 }
 
-# Count only inside idem_begin, idem_complete and idem_checkpoint; print
-# "begin complete checkpoint" totals.
+# run NAME FROM STATEMENT...: count only inside idem_begin, idem_complete
+# and idem_checkpoint; print "begin complete checkpoint" totals.
 run() {
-	name=$1
-	shift
-	cg "$name" data "--toggle-collect=idem_begin --toggle-collect=idem_complete \
+	name=$1 from=$2
+	shift 2
+	cg "$name" "$from" "--toggle-collect=idem_begin --toggle-collect=idem_complete \
 		--toggle-collect=idem_checkpoint" "$@"
 	callgrind_annotate --inclusive=yes "$dir/$name.out" 2>/dev/null |
 		awk '$2 ~ /^\(/ && $3 ~ /:idem_begin$/ && !b { gsub(",", "", $1); b = $1 }
@@ -93,12 +94,15 @@ peer_q="PREPARE q(text) AS SELECT count(*) FROM plain_keys k WHERE k.scope = '' 
 si=$(( $(total si2100 "$idem_q" "$(statements 2100)") - $(total si100 "$idem_q" "$(statements 100)") ))
 sp=$(( $(total sp2100 "$peer_q" "$(statements 2100)") - $(total sp100 "$peer_q" "$(statements 100)") ))
 
-a=$(run a "$setup" "$claims" "$completes")
-b=$(run b "$setup" "$claims" "$completes" "$replays")
-c=$(run c "$setup" "$claims" "$checkpoints")
-echo "$a $b $c" | awk -v n=$n '{
-	printf "instructions per call (callgrind, %d keys): new claim %.1fk, complete %.1fk, replay %.1fk, checkpoint %.1fk\n",
-		n, $1 / n / 1000, $2 / n / 1000, ($4 - $1) / n / 1000, $9 / n / 1000 }'
+a=$(run a data "$setup" "$claims" "$completes")
+b=$(run b data "$setup" "$claims" "$completes" "$replays")
+c=$(run c data "$setup" "$claims" "$checkpoints")
+# The same replays on data.stmt, vacuumed after its completes: the key's
+# version is found without passing the versions the completes left.
+v=$(run v data.stmt "$replays")
+echo "$a $b $c $v" | awk -v n=$n '{
+	printf "instructions per call (callgrind, %d keys): new claim %.1fk, complete %.1fk, replay %.1fk (%.1fk on a vacuumed table), checkpoint %.1fk\n",
+		n, $1 / n / 1000, $2 / n / 1000, ($4 - $1) / n / 1000, $10 / n / 1000, $9 / n / 1000 }'
 echo "$si $sp" | awk '{
 	printf "instructions per one-call statement (prepared, whole backend): replay %.1fk, primary-key SELECT %.1fk (%.2fx)\n",
 		$1 / 2000 / 1000, $2 / 2000 / 1000, $1 / $2 }'
