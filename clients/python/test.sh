@@ -5,9 +5,11 @@
 #
 # Installs the Debian packages it needs if any is missing, starts a cluster
 # (test/cluster.sh, port 55442) with the idem extension, which must already
-# be installed (make && make install), runs pytest with /usr/bin/python3
-# in its UTF8 database and again in test/odd_database.sql's,
-# then serves the conformance app (tests/apps/conformance_*.py) for ASGI
+# be installed (make && make install), and pgbouncer in transaction
+# pooling in front of it (port 55445, IDEM_PY_PORT + 3); runs pytest with
+# /usr/bin/python3 in the cluster's UTF8 database and again in
+# test/odd_database.sql's, then serves the conformance app
+# (tests/apps/conformance_*.py) for ASGI
 # (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
 # with two workers) on ports 55443 and 55444 (IDEM_PY_PORT + 1, + 2) and
 # runs test/http/conformance.py against each.  Stops the cluster and every
@@ -25,7 +27,7 @@ dir=/tmp/idem-python.$$
 pkgs="python3 python3-psycopg python3-psycopg-pool python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
 	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15 \
-	gunicorn"
+	gunicorn pgbouncer"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
@@ -70,6 +72,7 @@ cleanup() {
 			kill -9 "$pid" 2>/dev/null
 		done <"$dir/app.pids"
 	fi
+	[ -s "$dir/pgbouncer.pid" ] && kill "$(cat "$dir/pgbouncer.pid")" 2>/dev/null
 	[ -d "$dir/data" ] && sh "$top/test/cluster.sh" stop "$dir"
 	rm -rf "$dir"
 }
@@ -102,6 +105,34 @@ fi
 odd_dsn="host=$dir port=$port user=postgres dbname=idem_odd"
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -f "$top/test/odd_database.sql" ||
 	{ echo "0 passed, 1 failed"; exit 1; }
+# pgbouncer in transaction pooling in front of every database of the
+# cluster, on port + 3, for tests/test_pgbouncer.py.  It refuses to run as
+# root: as root it runs as the cluster's user.
+bport=$((port + 3))
+cat >"$dir/pgbouncer.ini" <<-INI
+	[databases]
+	* = host=$dir port=$port
+	[pgbouncer]
+	listen_addr = 127.0.0.1
+	listen_port = $bport
+	unix_socket_dir =
+	auth_type = trust
+	auth_file = $dir/pgbouncer.users
+	pool_mode = transaction
+	server_check_delay = 0
+	default_pool_size = 8
+	logfile = $dir/pgbouncer.log
+	pidfile = $dir/pgbouncer.pid
+INI
+echo '"postgres" ""' >"$dir/pgbouncer.users"
+bouncer="$(command -v pgbouncer || echo /usr/sbin/pgbouncer) -d -q '$dir/pgbouncer.ini'"
+if [ "$(id -u)" -eq 0 ]; then
+	chown idemtest "$dir/pgbouncer.ini" "$dir/pgbouncer.users"
+	su idemtest -s /bin/sh -c "cd / && $bouncer"
+else
+	sh -c "$bouncer"
+fi || { cat "$dir/pgbouncer.log" >&2; echo "0 passed, 1 failed"; exit 1; }
+export IDEM_TEST_PGBOUNCER_DSN="host=127.0.0.1 port=$bport user=postgres connect_timeout=5"
 export IDEM_TEST_PIDFILE="$dir/app.pids"
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$here/src:$here/tests"
