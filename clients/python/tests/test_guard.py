@@ -95,7 +95,7 @@ def test_state_as_bytes_and_unknown_states():
     assert done.outcome() is Outcome.REPLAYED and done.response() == Response(201, b"x")
     assert BeginRow.of((False, b"CONFLICT", None, None, None)).outcome() is Outcome.CONFLICT
     assert BeginRow.of((False, b"PROCESSING", 7, None, None)).outcome() is Outcome.IN_FLIGHT
-    with pytest.raises(ValueError, match="unknown state 'EXPIRED'"):
+    with pytest.raises(Unavailable, match="unknown state 'EXPIRED'"):
         BeginRow.of((False, "EXPIRED", None, None, None)).outcome()
 
 
@@ -106,7 +106,7 @@ def test_unknown_state_is_unavailable_without_the_handler(dsn, monkeypatch):
                                                                   None, None)))
     r = g.do(key, FP, h)
     assert r.outcome is Outcome.UNAVAILABLE and r.failed_step == "begin"
-    assert isinstance(r.error, ValueError) and h.claims == []
+    assert isinstance(r.error, Unavailable) and h.claims == []
 
 
 def test_unavailable_when_server_down(down_dsn):

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Optional, Tuple, Union
 
 from psycopg import sql
 
-from .errors import CheckpointUnreadable, InjectedFault, InvalidArgument
+from .errors import CheckpointUnreadable, InjectedFault, InvalidArgument, Unavailable
 
 Seconds = Union[float, int, _dt.timedelta, None]
 
@@ -540,7 +540,7 @@ class BeginRow:
             return Outcome.IN_FLIGHT
         # Not a guess: IN_FLIGHT would turn a stored answer into a 409
         # forever, and EXECUTED would run the handler again.
-        raise ValueError("idem_begin answered an unknown state %r" % (self.state,))
+        raise Unavailable("idem_begin answered an unknown state %r" % (self.state,))
 
     def response(self) -> Optional[Response]:
         if self.state != "DONE" or self.claimed:

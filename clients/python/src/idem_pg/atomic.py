@@ -377,6 +377,7 @@ def _claim(conn: psycopg.Connection, st: Statements, key: str, fingerprint: str,
                     prev = saved_bounds(cur.fetchone())
                 cur.execute(query, params)
                 tx.row = BeginRow.of(cur.fetchone())
+                tx.row.outcome()        # a state this client does not know: Unavailable
                 if prev is not None:
                     cur.execute(_RESTORE, prev)
         except psycopg.Error as exc:
@@ -421,6 +422,7 @@ async def _claim_async(conn: psycopg.AsyncConnection, st: Statements, key: str,
                     prev = saved_bounds(await cur.fetchone())
                 await cur.execute(query, params)
                 tx.row = BeginRow.of(await cur.fetchone())
+                tx.row.outcome()        # a state this client does not know: Unavailable
                 if prev is not None:
                     await cur.execute(_RESTORE, prev)
         except asyncio.CancelledError:
