@@ -133,6 +133,8 @@ else
 	sh -c "$bouncer"
 fi || { cat "$dir/pgbouncer.log" >&2; echo "0 passed, 1 failed"; exit 1; }
 export IDEM_TEST_PGBOUNCER_DSN="host=127.0.0.1 port=$bport user=postgres connect_timeout=5"
+# Nobody listens on this socket: the store is down.
+export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
 export IDEM_TEST_PIDFILE="$dir/app.pids"
 export PYTHONDONTWRITEBYTECODE=1
 export PYTHONPATH="$here/src:$here/tests"
@@ -142,11 +144,12 @@ cd "$here" || exit 1
 rc=0
 passed=0
 failed=0
+count() {
+	echo "$summary" | grep -oE "[0-9]+ $1" | head -1 | cut -d' ' -f1
+}
 suite() { # NAME DSN [PYTEST_ARGS...]: pytest against DSN, counts added
 	log="$dir/pytest-$1.log"
 	export IDEM_TEST_DSN="$2"
-	# Nobody listens on this socket: the store is down.
-	export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
 	shift 2
 	# In the background, so that a signal to this script is handled at once.
 	"$py" -m pytest -p no:cacheprovider -q -rfE tests "$@" >"$log" 2>&1 &
@@ -157,9 +160,9 @@ suite() { # NAME DSN [PYTEST_ARGS...]: pytest against DSN, counts added
 	cat "$log"
 	summary=$(grep -E '^=+ .* in [0-9.]+s' "$log" | tail -1)
 	[ -n "$summary" ] || summary=$(tail -1 "$log")
-	p=$(echo "$summary" | grep -oE "[0-9]+ passed" | head -1 | cut -d' ' -f1)
-	f=$(echo "$summary" | grep -oE "[0-9]+ failed" | head -1 | cut -d' ' -f1)
-	e=$(echo "$summary" | grep -oE "[0-9]+ error" | head -1 | cut -d' ' -f1)
+	p=$(count passed)
+	f=$(count failed)
+	e=$(count error)
 	f=$(( ${f:-0} + ${e:-0} ))
 	if [ "$src" -ne 0 ] && [ "$f" -eq 0 ]; then
 		f=1            # pytest itself failed (collection, no tests, crash)

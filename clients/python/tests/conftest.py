@@ -16,6 +16,8 @@ import httpx
 import psycopg
 import pytest
 
+from idem_pg._common import text
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 
@@ -39,12 +41,6 @@ def lookup(conn, key, scope=""):
         return None
     return dict(zip(("state", "token", "status", "lease_until", "expires_at",
                      "body_size"), (text(row[0]),) + tuple(row[1:])))
-
-
-def text(value):
-    """A text column as str: in a SQL_ASCII database (test.sh runs the
-    suite in one too) psycopg returns text as bytes."""
-    return value.decode() if isinstance(value, bytes) else value
 
 
 def setting(conn, name):
@@ -88,6 +84,24 @@ def db():
     conn = psycopg.connect(DSN, autocommit=True)
     yield conn
     conn.close()
+
+
+@pytest.fixture
+def future_schema(db):
+    """A schema whose idem_begin plays a server newer than the client: it
+    answers the state 'EXPIRED', which no idem version has.  Dropped after
+    the test."""
+    schema = "idem_future_%d" % os.getpid()
+    db.execute("DROP SCHEMA IF EXISTS %s CASCADE" % schema)
+    db.execute("CREATE SCHEMA %s" % schema)
+    db.execute("CREATE FUNCTION %s.idem_begin(text, text, interval DEFAULT NULL,"
+               " interval DEFAULT NULL, text DEFAULT '', boolean DEFAULT true,"
+               " interval DEFAULT NULL) RETURNS SETOF idem.begin_result"
+               " LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200,"
+               " pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,"
+               " now() + interval '1 day', NULL::text, NULL::bytea $$" % schema)
+    yield schema
+    db.execute("DROP SCHEMA %s CASCADE" % schema)
 
 
 def calls(conn, key=None, app=None):

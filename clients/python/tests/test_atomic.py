@@ -221,25 +221,14 @@ def test_arguments_reach_the_server(dsn, db):
     assert 80 < left("tenant-arg", key3, "expires_at") <= 90
 
 
-def test_unknown_state_is_unavailable(dsn, db):
+def test_unknown_state_is_unavailable(dsn, future_schema):
     """A state this client does not know (a newer server, played by a
     look-alike idem_begin) raises Unavailable at the claim: the block does
     not run and nothing is committed."""
-    db.execute("DROP SCHEMA IF EXISTS idem_future_py CASCADE")
-    db.execute("CREATE SCHEMA idem_future_py")
-    db.execute("CREATE FUNCTION idem_future_py.idem_begin(text, text)"
-               " RETURNS TABLE (claimed boolean, state text, token bigint, status integer,"
-               " body bytea, lease_until timestamptz, expires_at timestamptz)"
-               " LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200,"
-               " pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,"
-               " now() + interval '1 day' $$")
     ran = []
-    try:
-        with psycopg.connect(dsn, autocommit=True) as conn:
-            with pytest.raises(Unavailable, match="unknown state 'EXPIRED'"):
-                with atomic(conn, new_key(), FP, schema="idem_future_py"):
-                    ran.append(True)
-            assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    finally:
-        db.execute("DROP SCHEMA idem_future_py CASCADE")
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        with pytest.raises(Unavailable, match="unknown state 'EXPIRED'"):
+            with atomic(conn, new_key(), FP, schema=future_schema):
+                ran.append(True)
+        assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
     assert ran == []
