@@ -72,6 +72,7 @@
 #include "utils/memutils.h"
 #include "utils/rel.h"
 #include "utils/resowner.h"
+#include "utils/snapmgr.h"
 #include "utils/syscache.h"
 
 #include "citus.h"
@@ -152,6 +153,12 @@ typedef struct KeyRelCache
 	Relation	indexes[IDEM_MAX_INDEXES];
 	IndexInfo  *index_infos[IDEM_MAX_INDEXES];
 	bool		index_key_first[IDEM_MAX_INDEXES];
+	/* A scan of the primary key: see idem_keyrel_begin_scan. */
+	IndexScanDesc scan;
+	bool		scan_busy;		/* a call is using it; its pins are held */
+	/* The slot of the calls: see kept_slot. */
+	TupleTableSlot *slot;
+	bool		slot_busy;		/* a call is using it */
 } KeyRelCache;
 
 static KeyRelCache keys_cache;
@@ -568,7 +575,9 @@ open_shard(KeyTable *kt, Oid relid)
  * LATERAL join), or a claim and its completion in one transaction, pays
  * for that on every call, where the executor opens a relation once per
  * statement.  The first call of a transaction opens them with references
- * held by the transaction's resource owner, and keeps them; the later
+ * held by the transaction's resource owner, and keeps them, with a slot
+ * and a scan of the primary key that the calls reuse (as a nested loop
+ * rescans its inner index scan; see idem_keyrel_begin_scan); the later
  * calls use them while
  *
  * - the lock the call needs is held: locks stay until the transaction
@@ -588,6 +597,41 @@ open_shard(KeyTable *kt, Oid relid)
  * key.
  */
 
+/*
+ * End the scan and drop the slot the transaction keeps, with
+ * CurrentResourceOwner the transaction's.  A scan or slot a call was
+ * using when an error interrupted it still names the buffers it had
+ * pinned, which the error's cleanup releases (with the resource owner
+ * that pinned them); such a scan or slot is left to TopTransactionContext,
+ * and only its reference to the index or the tuple descriptor is given
+ * back.
+ */
+static void
+drop_scan(void)
+{
+	IndexScanDesc scan = keys_cache.scan;
+	TupleTableSlot *slot = keys_cache.slot;
+
+	if (scan != NULL)
+	{
+		keys_cache.scan = NULL;
+		if (keys_cache.scan_busy)
+			RelationDecrementReferenceCount(scan->indexRelation);
+		else
+			index_endscan(scan);
+		keys_cache.scan_busy = false;
+	}
+	if (slot != NULL)
+	{
+		keys_cache.slot = NULL;
+		if (keys_cache.slot_busy)
+			ReleaseTupleDesc(slot->tts_tupleDescriptor);
+		else
+			ExecDropSingleTupleTableSlot(slot);
+		keys_cache.slot_busy = false;
+	}
+}
+
 /* Drop the references the transaction keeps, if any. */
 void
 idem_keytable_cache_close(void)
@@ -600,6 +644,7 @@ idem_keytable_cache_close(void)
 	keys_cache.open = false;
 	save = CurrentResourceOwner;
 	CurrentResourceOwner = TopTransactionResourceOwner;
+	drop_scan();
 	for (i = 0; i < keys_cache.nindexes; i++)
 		index_close(keys_cache.indexes[i], NoLock);
 	table_close(keys_cache.rel, NoLock);
@@ -613,8 +658,15 @@ cache_xact_callback(XactEvent event, void *arg)
 	{
 		case XACT_EVENT_ABORT:
 		case XACT_EVENT_PARALLEL_ABORT:
-			/* released with TopTransactionResourceOwner, without warnings */
+			/*
+			 * Released with TopTransactionResourceOwner, without warnings;
+			 * the scan's memory goes with TopTransactionContext.
+			 */
 			keys_cache.open = false;
+			keys_cache.scan = NULL;
+			keys_cache.scan_busy = false;
+			keys_cache.slot = NULL;
+			keys_cache.slot_busy = false;
 			break;
 		default:
 			/* before the commit's release, which warns of what is left */
@@ -623,13 +675,26 @@ cache_xact_callback(XactEvent event, void *arg)
 	}
 }
 
-/* The locks a subtransaction took go with its abort. */
+/*
+ * The locks a subtransaction took go with its abort, and so do the pins
+ * of a scan or slot its error interrupted.
+ */
 static void
 cache_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 					   SubTransactionId parentSubid, void *arg)
 {
 	if (event == SUBXACT_EVENT_ABORT_SUB)
+	{
 		keys_cache.locked = false;
+		if (keys_cache.scan_busy || keys_cache.slot_busy)
+		{
+			ResourceOwner save = CurrentResourceOwner;
+
+			CurrentResourceOwner = TopTransactionResourceOwner;
+			drop_scan();
+			CurrentResourceOwner = save;
+		}
+	}
 }
 
 /* Keep relations open per transaction (with shared_preload_libraries). */
@@ -665,6 +730,31 @@ cache_keep(KeyTable *kt, uint64 inval_count)
 	keys_cache.inval_count = inval_count;
 	keys_cache.open = true;
 	kt->cached = true;
+}
+
+/*
+ * The slot for a call on the relations the transaction keeps open: kept
+ * with them, emptied by idem_keytable_close (which releases the pin of the
+ * version it holds), instead of made and dropped per call.  A call made
+ * while another is using it (none does now) gets one of its own.
+ */
+static TupleTableSlot *
+kept_slot(KeyTable *kt)
+{
+	if (keys_cache.slot_busy)
+		return table_slot_create(kt->rel, NULL);
+	if (keys_cache.slot == NULL)
+	{
+		MemoryContext old = MemoryContextSwitchTo(TopTransactionContext);
+		ResourceOwner save = CurrentResourceOwner;
+
+		CurrentResourceOwner = TopTransactionResourceOwner;
+		keys_cache.slot = table_slot_create(kt->rel, NULL);
+		CurrentResourceOwner = save;
+		MemoryContextSwitchTo(old);
+	}
+	keys_cache.slot_busy = true;
+	return keys_cache.slot;
 }
 
 /*
@@ -710,8 +800,8 @@ open_cached(KeyTable *kt, LOCKMODE lockmode)
 	}
 	kt->pkey = kt->indexes[0];
 	kt->pkey_key_first = kt->index_key_first[0];
-	kt->slot = table_slot_create(kt->rel, NULL);
 	kt->cached = true;
+	kt->slot = kept_slot(kt);
 	return true;
 }
 
@@ -797,9 +887,13 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 	}
 	else
 		open_indexes(kt, &keys_shape, keep);
-	kt->slot = table_slot_create(kt->rel, NULL);
 	if (keep)
+	{
 		cache_keep(kt, inval_count);
+		kt->slot = kept_slot(kt);
+	}
+	else
+		kt->slot = table_slot_create(kt->rel, NULL);
 }
 
 /*
@@ -809,11 +903,105 @@ idem_keytable_open(KeyTable *kt, const char *what, text *scope, text *key,
 void
 idem_keytable_close(KeyTable *kt)
 {
-	ExecDropSingleTupleTableSlot(kt->slot);
+	if (kt->slot == keys_cache.slot)
+	{
+		/* release the version's buffer pin; keep the slot */
+		ExecClearTuple(kt->slot);
+		keys_cache.slot_busy = false;
+	}
+	else
+		ExecDropSingleTupleTableSlot(kt->slot);
 	if (kt->cached)
 		return;
 	close_indexes(kt);
 	table_close(kt->rel, NoLock);
+}
+
+/*
+ * A scan of the primary key for kt's key (skey) with snapshot, which must
+ * stay valid until the scan ends; read it with idem_keyrel_scan_next, end
+ * it with idem_keyrel_end_scan before the call returns.
+ *
+ * On the relations the transaction keeps open, the scan is kept too, and
+ * a later call rescans it, as a nested loop rescans its inner index scan,
+ * instead of beginning and ending one per call.  Each rescan gives it the
+ * call's snapshot (btree and heap read it from the scan at every rescan
+ * and fetch; no state derived from it outlives a rescan).  Between calls
+ * it holds no buffer pin and no snapshot: idem_keyrel_end_scan releases
+ * the pins, as a rescan does.  Its memory is the transaction's, and so is
+ * its reference to the index; idem_keytable_cache_close ends it with the
+ * relations.
+ */
+IndexScanDesc
+idem_keyrel_begin_scan(KeyTable *kt, ScanKey skey, Snapshot snapshot)
+{
+	IndexScanDesc scan;
+	MemoryContext old;
+
+	if (!kt->cached || keys_cache.scan_busy)
+	{
+		scan = idem_index_beginscan(kt->rel, kt->pkey, snapshot, 2, 0);
+		index_rescan(scan, skey, 2, NULL, 0);
+		return scan;
+	}
+	Assert(kt->pkey == keys_cache.indexes[0]);
+	old = MemoryContextSwitchTo(TopTransactionContext);
+	if (keys_cache.scan == NULL)
+	{
+		ResourceOwner save = CurrentResourceOwner;
+
+		CurrentResourceOwner = TopTransactionResourceOwner;
+		keys_cache.scan = idem_index_beginscan(kt->rel, kt->pkey, snapshot, 2, 0);
+		CurrentResourceOwner = save;
+	}
+	scan = keys_cache.scan;
+	scan->xs_snapshot = snapshot;
+	keys_cache.scan_busy = true;
+	index_rescan(scan, skey, 2, NULL, 0);
+	MemoryContextSwitchTo(old);
+	return scan;
+}
+
+/*
+ * The next version of the key a scan of idem_keyrel_begin_scan finds, in
+ * kt->slot; false if there is none.  A kept scan allocates in the
+ * transaction's memory, which lasts as long as it (btree keeps the array
+ * of dead entries it allocates on its first use).
+ */
+bool
+idem_keyrel_scan_next(KeyTable *kt, IndexScanDesc scan)
+{
+	MemoryContext old;
+	bool		found;
+
+	if (scan != keys_cache.scan)
+		return index_getnext_slot(scan, ForwardScanDirection, kt->slot);
+	old = MemoryContextSwitchTo(TopTransactionContext);
+	found = index_getnext_slot(scan, ForwardScanDirection, kt->slot);
+	MemoryContextSwitchTo(old);
+	return found;
+}
+
+/*
+ * End a scan of idem_keyrel_begin_scan; a kept scan releases its buffer
+ * pins (the version found stays pinned in kt->slot) and forgets the
+ * snapshot.
+ */
+void
+idem_keyrel_end_scan(KeyTable *kt, IndexScanDesc scan)
+{
+	MemoryContext old;
+
+	if (scan != keys_cache.scan)
+	{
+		index_endscan(scan);
+		return;
+	}
+	old = MemoryContextSwitchTo(TopTransactionContext);
+	index_rescan(scan, NULL, 2, NULL, 0);	/* keeps the keys it has */
+	MemoryContextSwitchTo(old);
+	scan->xs_snapshot = InvalidSnapshot;
+	keys_cache.scan_busy = false;
 }
 
 /*

@@ -9,10 +9,15 @@
 #ifndef IDEM_KEYREL_H
 #define IDEM_KEYREL_H
 
+#include "access/genam.h"
 #include "nodes/pg_list.h"
 
 #include "keytable.h"
 
+extern IndexScanDesc idem_keyrel_begin_scan(KeyTable *kt, ScanKey skey,
+											Snapshot snapshot);
+extern bool idem_keyrel_scan_next(KeyTable *kt, IndexScanDesc scan);
+extern void idem_keyrel_end_scan(KeyTable *kt, IndexScanDesc scan);
 extern void idem_keyrel_prepare_write(KeyTable *kt);
 extern int64 idem_keyrel_next_token(KeyTable *kt);
 extern bool idem_keyrel_distributed(void);

@@ -178,10 +178,9 @@ fetch_key(KeyTable *kt, Snapshot snapshot)
 	bool		found;
 
 	set_scan_keys(kt, skey);
-	scan = idem_index_beginscan(kt->rel, kt->pkey, snapshot, 2, 0);
-	index_rescan(scan, skey, 2, NULL, 0);
-	found = index_getnext_slot(scan, ForwardScanDirection, kt->slot);
-	index_endscan(scan);
+	scan = idem_keyrel_begin_scan(kt, skey, snapshot);
+	found = idem_keyrel_scan_next(kt, scan);
+	idem_keyrel_end_scan(kt, scan);
 	return found;
 }
 
@@ -240,9 +239,8 @@ idem_keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 
 	InitDirtySnapshot(snap);
 	set_scan_keys(kt, skey);
-	scan = idem_index_beginscan(kt->rel, kt->pkey, &snap, 2, 0);
-	index_rescan(scan, skey, 2, NULL, 0);
-	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
+	scan = idem_keyrel_begin_scan(kt, skey, &snap);
+	while (idem_keyrel_scan_next(kt, scan))
 	{
 		if (TransactionIdIsValid(snap.xmin))
 		{
@@ -264,7 +262,7 @@ idem_keytable_probe(KeyTable *kt, KeyWaiter *waiter)
 			result = PROBE_COMMITTED;
 		}
 	}
-	index_endscan(scan);
+	idem_keyrel_end_scan(kt, scan);
 	return result;
 }
 
@@ -290,9 +288,8 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 	row->found = false;
 	InitDirtySnapshot(snap);
 	set_scan_keys(kt, skey);
-	scan = idem_index_beginscan(kt->rel, kt->pkey, &snap, 2, 0);
-	index_rescan(scan, skey, 2, NULL, 0);
-	while (index_getnext_slot(scan, ForwardScanDirection, kt->slot))
+	scan = idem_keyrel_begin_scan(kt, skey, &snap);
+	while (idem_keyrel_scan_next(kt, scan))
 	{
 		if (TransactionIdIsValid(snap.xmin))
 		{
@@ -320,7 +317,7 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
 			result = PROBE_COMMITTED;
 		break;
 	}
-	index_endscan(scan);
+	idem_keyrel_end_scan(kt, scan);
 	return result;
 }
 

@@ -195,5 +195,51 @@ PREPARE TRANSACTION 'idem_statement';
 COMMIT PREPARED 'idem_statement';
 SELECT count(*) AS prepared_claims FROM idem.keys WHERE key LIKE 'st-2pc-%';
 
+-- An error inside a call's scan of the primary key (here the replayed
+-- body's TOAST chunks are gone, as corruption would leave them), caught
+-- by a BEGIN ... EXCEPTION block: the calls after it in the same
+-- statement go on, and the transaction commits without a WARNING.  A
+-- transaction keeps its scan of the primary key between calls; the
+-- buffers it had pinned when the error came are released with the
+-- subtransaction, and a call that used them again would fail ("buffer is
+-- not owned by resource owner").
+CREATE EXTENSION pg_surgery;
+SELECT count(idem_complete('st-ok-' || g, 'fp', 200, 'small', b.token)) AS completed
+  FROM generate_series(1, 3) g, LATERAL idem_begin('st-ok-' || g, 'fp') b;
+SELECT token AS big_token FROM idem_begin('st-big', 'fp') \gset
+SELECT idem_complete('st-big', 'fp', 200,
+         (SELECT decode(string_agg(md5(g::text), ''), 'hex') FROM generate_series(1, 200) g),
+         :big_token) IS NOT NULL AS completed;
+SELECT reltoastrelid::regclass AS keys_toast FROM pg_class WHERE oid = 'idem.keys'::regclass \gset
+SELECT count(*) AS chunks_killed FROM (
+  SELECT heap_force_kill(:'keys_toast'::regclass, array_agg(ctid)) FROM :keys_toast) k;
+CREATE FUNCTION st_corrupt() RETURNS text[] LANGUAGE plpgsql AS $$
+DECLARE
+	r text[];
+BEGIN
+	r := r || (SELECT state FROM idem_begin('st-ok-1', 'fp'));
+	BEGIN
+		r := r || (SELECT state FROM idem_begin('st-big', 'fp'));
+	EXCEPTION WHEN data_corrupted THEN
+		r := r || 'data_corrupted'::text;
+	END;
+	r := r || (SELECT state FROM idem_begin('st-ok-2', 'fp'));
+	r := r || (SELECT state || ' ' || claimed FROM idem_begin('st-new', 'fp'));
+	r := r || (SELECT state FROM idem_begin('st-ok-3', 'fp'));
+	RETURN r;
+END $$;
+SELECT st_corrupt();
+-- The same error at the top of a transaction, then a new one.
+BEGIN;
+SELECT state FROM idem_begin('st-ok-1', 'fp');
+\set VERBOSITY sqlstate
+SELECT state FROM idem_begin('st-big', 'fp');
+\set VERBOSITY default
+ROLLBACK;
+SELECT state, claimed FROM idem_begin('st-ok-2', 'fp');
+DELETE FROM idem.keys WHERE key = 'st-big';
+DROP FUNCTION st_corrupt();
+DROP EXTENSION pg_surgery;
+
 DROP FUNCTION st_loop(), st_analyze(), st_relock();
 DELETE FROM idem.keys WHERE key LIKE 'st-%';
