@@ -237,6 +237,19 @@ SELECT state FROM idem_begin('st-big', 'fp');
 \set VERBOSITY default
 ROLLBACK;
 SELECT state, claimed FROM idem_begin('st-ok-2', 'fp');
+-- SERIALIZABLE: each call's read gives the kept scan the transaction's
+-- snapshot, and so takes the predicate locks a SELECT would.  After a
+-- new key's claim (a read, then a dirty probe), a replay in the same
+-- transaction leaves an SIReadLock on the replayed row.
+SELECT (ctid::text::point)[0]::int AS ok_page, (ctid::text::point)[1]::int AS ok_tuple
+  FROM idem.keys WHERE key = 'st-ok-1' \gset
+BEGIN ISOLATION LEVEL SERIALIZABLE;
+SELECT claimed FROM idem_begin('st-ser-new', 'fp');
+SELECT state FROM idem_begin('st-ok-1', 'fp');
+SELECT count(*) AS replayed_row_siread FROM pg_locks
+ WHERE pid = pg_backend_pid() AND mode = 'SIReadLock' AND locktype = 'tuple'
+   AND relation = 'idem.keys'::regclass AND page = :ok_page AND tuple = :ok_tuple;
+COMMIT;
 DELETE FROM idem.keys WHERE key = 'st-big';
 DROP FUNCTION st_corrupt();
 DROP EXTENSION pg_surgery;
