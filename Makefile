@@ -42,6 +42,10 @@ ifneq ($(PGXS),)
 include $(PGXS)
 # The TAP suites' shared cluster set-up (test/perl/IdemTest.pm).
 PROVE_FLAGS += -I test/perl
+# PGXS tracks no header dependencies (PostgreSQL built without
+# --enable-depend): rebuild every object and bitcode file when one of
+# idem's headers changes, so that none keeps an old struct layout.
+$(OBJS) $(OBJS:.o=.bc): $(wildcard src/*.h)
 # The client guard library (guard/) and the programs built on it.
 all: guard-all
 install: install-guard
