@@ -607,7 +607,7 @@ open_shard(KeyTable *kt, Oid relid)
  * back.
  */
 static void
-drop_scan(void)
+drop_scan_and_slot(void)
 {
 	IndexScanDesc scan = keys_cache.scan;
 	TupleTableSlot *slot = keys_cache.slot;
@@ -644,7 +644,7 @@ idem_keytable_cache_close(void)
 	keys_cache.open = false;
 	save = CurrentResourceOwner;
 	CurrentResourceOwner = TopTransactionResourceOwner;
-	drop_scan();
+	drop_scan_and_slot();
 	for (i = 0; i < keys_cache.nindexes; i++)
 		index_close(keys_cache.indexes[i], NoLock);
 	table_close(keys_cache.rel, NoLock);
@@ -691,7 +691,7 @@ cache_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 			ResourceOwner save = CurrentResourceOwner;
 
 			CurrentResourceOwner = TopTransactionResourceOwner;
-			drop_scan();
+			drop_scan_and_slot();
 			CurrentResourceOwner = save;
 		}
 	}
