@@ -82,6 +82,14 @@ is( $standby->safe_psql('postgres',
 is( $standby->safe_psql('postgres',
 		"SELECT claimed, state FROM idem_begin('live', 'f')"),
 	'f|PROCESSING', 'a claim in flight is reported on the standby');
+# The calls of one statement share the transaction's scan of the primary
+# key, read-only on the standby too.
+is( $standby->safe_psql('postgres', q{
+SELECT string_agg(b.state || ':' || coalesce(convert_from(b.body, 'UTF8'), ''), ',' ORDER BY v.n)
+  FROM (VALUES (1, 'done', 'f'), (2, 'done', 'other'), (3, 'live', 'f'), (4, 'done', 'f')) v(n, k, fp),
+       LATERAL idem_begin(v.k, v.fp) b}),
+	'DONE:stored,CONFLICT:,PROCESSING:,DONE:stored',
+	'replays, a conflict and a claim in flight in one statement on the standby');
 
 # wait_for on the standby: a duplicate waits for a claim made on the
 # primary (looking at the key again every 50 ms, as nothing commits on
