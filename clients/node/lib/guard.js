@@ -105,9 +105,12 @@ class Guard {
    * Run fn(client) in its own transaction with the call's timeouts and
    * clock offset, then commit.  Throws idem errors.  budget (ms) replaces
    * o.timeout for the server's timeouts and the client's deadline of the
-   * call (not of the connect).
+   * call (not of the connect).  With claim (idem_begin's arguments), fn is
+   * store.begin and the claim goes in the message that opens the
+   * transaction, its values written in as literals, when the client can
+   * write them so (Store#beginLiteral).
    */
-  async _run(o, op, fn, budget = o.timeout) {
+  async _run(o, op, fn, budget = o.timeout, claim = null) {
     fireFault(o, op);
     const timeout = budget;
     const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
@@ -128,9 +131,21 @@ class Guard {
       }
       const offset = clockOffsetOf(o);
       if (offset !== 0) pre.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+      const literal = claim ? store.beginLiteral(client, claim) : null;
       const work = (async () => {
-        await client.query(pre.join('; '));
-        const r = await fn(client, store);
+        let r;
+        if (literal) {
+          let results;
+          try {
+            results = await client.query([...pre, literal.text].join('; '));
+          } catch (err) {
+            throw store.beginError(err, literal);
+          }
+          r = Store.beginRow(results[results.length - 1].rows[0]);
+        } else {
+          await client.query(pre.join('; '));
+          r = await fn(client, store);
+        }
         await client.query('COMMIT');
         return r;
       })();
@@ -326,7 +341,8 @@ class Guard {
   async _begin(o, args) {
     let waitFor = o.waitFor;
     if (waitFor > 0 && this._noWaitForUntil > Date.now() && o.schema === this.store.schema) waitFor = 0;
-    const call = (w) => this._run(o, 'begin', (c, store) => store.begin(c, { ...args, waitFor: w }), beginBudget(o, w));
+    const call = (w) => this._run(o, 'begin', (c, store) => store.begin(c, { ...args, waitFor: w }), beginBudget(o, w),
+      { ...args, waitFor: w });
     try {
       return await call(waitFor);
     } catch (err) {

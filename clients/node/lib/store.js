@@ -71,21 +71,26 @@ function checkStatus(status) {
  * schema-qualified, every parameter cast to its exact type.  Errors are
  * thrown as idem error classes.  No transaction control here.
  */
+/** The types of idem_begin's arguments, in order. */
+const BEGIN_TYPES = ['text', 'text', 'interval', 'interval', 'text', 'boolean', 'interval'];
+
 class Store {
   constructor(options = {}) {
     const s = quoteIdent(options.schema ?? 'public');
     const beginTimes = `b.*, ${epochMs('b.lease_until')} AS lease_until_ms, ${epochMs('b.expires_at')} AS expires_at_ms`;
     this.schema = options.schema ?? 'public';
+    // idem_begin with its arguments (parameters or literals), each cast to
+    // its type.
+    this._beginSql = (args) => `SELECT ${beginTimes} FROM ${s}.idem_begin(` +
+      args.map((a, i) => `${a}::${BEGIN_TYPES[i]}`).join(', ') + ') b';
     this.sql = {
       // Every column, read by name: phase and phase_data (a takeover's recovery
       // point) where the server has them, the rest from any idem_begin; the
       // times as epochMs.
-      begin: `SELECT ${beginTimes} FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text,` +
-        ' $6::boolean) b',
+      begin: this._beginSql(['$1', '$2', '$3', '$4', '$5', '$6']),
       // The form with wait_for, used only when a wait is asked for, so that a database
       // whose idem_begin has no wait_for keeps working with the six-argument form.
-      beginWait: `SELECT ${beginTimes} FROM ${s}.idem_begin($1::text, $2::text, $3::interval, $4::interval, $5::text,` +
-        ' $6::boolean, $7::interval) b',
+      beginWait: this._beginSql(['$1', '$2', '$3', '$4', '$5', '$6', '$7']),
       checkpoint: `SELECT true AS ok FROM ${s}.idem_checkpoint($1::text, $2::bigint, $3::text, $4::bytea, $5::text)`,
       hold: `SELECT true AS ok FROM ${s}.idem_hold($1::text, $2::bigint, $3::text)`,
       complete: `SELECT ${epochMs(`${s}.idem_complete($1::text, $2::text, $3::integer, $4::bytea, $5::bigint,` +
@@ -125,13 +130,48 @@ class Store {
    * conflict.  waitFor (ms, > 0) makes a duplicate of a committed claim
    * wait in the server, up to that long, for the holder's answer.
    */
-  async begin(client, { key, fingerprint, lease = null, retention = null, scope = '', wait = true, waitFor = 0 }) {
+  async begin(client, args) {
+    const { text, values } = this._beginCall(args);
+    const res = await this._query(client, text, values);
+    return Store.beginRow(res.rows[0]);
+  }
+
+  _beginCall({ key, fingerprint, lease = null, retention = null, scope = '', wait = true, waitFor = 0 }) {
     const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'),
       intervalParam(lease, 'lease'), intervalParam(retention, 'retention'),
       checkText(scope, 'scope'), Boolean(wait)];
     if (waitFor != null && waitFor !== 0) values.push(intervalParam(waitFor, 'waitFor'));
-    const res = await this._query(client, values.length === 7 ? this.sql.beginWait : this.sql.begin, values);
-    const row = res.rows[0];
+    return { text: values.length === 7 ? this.sql.beginWait : this.sql.begin, values };
+  }
+
+  /**
+   * begin()'s statement with its values written in as literals
+   * (client.escapeLiteral), for a message that carries other statements
+   * with it: the simple query protocol, which takes no parameters.  Null
+   * when the client cannot quote, or a value holds a NUL character (as a
+   * parameter it is refused with 22021; the text would end at it).
+   * Results: beginRow() of its row; errors: beginError().
+   */
+  beginLiteral(client, args) {
+    if (typeof client.escapeLiteral !== 'function') return null;
+    const { text, values } = this._beginCall(args);
+    if (values.some((v) => typeof v === 'string' && v.includes('\0'))) return null;
+    const literal = values.map((v) => {
+      if (v == null) return 'NULL';
+      if (typeof v === 'boolean') return v ? 'true' : 'false';
+      return client.escapeLiteral(v);
+    });
+    return { text: this._beginSql(literal), call: text, nargs: values.length };
+  }
+
+  /** The error of a beginLiteral() statement, as _query() throws it. */
+  beginError(err, { call, nargs }) {
+    if (err && (err.code === '42883' || err.code === '3F000')) return this._notFound(call, nargs, err);
+    return toIdemError(err);
+  }
+
+  /** begin()'s answer from the row of its statement. */
+  static beginRow(row) {
     return {
       claimed: row.claimed,
       state: row.state,

@@ -91,23 +91,47 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
   // Our COMMIT or ROLLBACK would end a transaction the caller has open.
   const tx = typeof client.getTransactionStatus === 'function' ? client.getTransactionStatus() : null;
   if (tx === 'T' || tx === 'E') throw new IdemError('transaction() needs an idle client, not one inside a transaction');
-  await q('BEGIN');
+  const budget = beginBudget(o, o.waitFor);
+  const lockBudget = o.lockTimeout > 0 ? o.lockTimeout : budget;
+  const offset = clockOffsetOf(o);
+  const args = { key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor };
+  // BEGIN, the session's timeouts saved and the claim's set, the clock
+  // offset and the claim itself: one message where the client can write
+  // the claim's values in as literals, else one statement at a time.
+  const opening = ['BEGIN'];
+  const bounded = budget > 0 || lockBudget > 0;
+  if (bounded) {
+    opening.push("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
+      " pg_catalog.current_setting('lock_timeout') AS lt",
+    `SET LOCAL statement_timeout = ${budget}`, `SET LOCAL lock_timeout = ${lockBudget}`);
+  }
+  if (offset !== 0) opening.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+  const literal = store.beginLiteral(client, args);
   let ended = false;
   try {
     let saved = null;
-    const budget = beginBudget(o, o.waitFor);
-    const lockBudget = o.lockTimeout > 0 ? o.lockTimeout : budget;
-    if (budget > 0 || lockBudget > 0) {
-      saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
-        " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
-      await q(`SET LOCAL statement_timeout = ${budget}; SET LOCAL lock_timeout = ${lockBudget}`);
+    let row;
+    if (literal) {
+      let results;
+      try {
+        results = await client.query([...opening, literal.text].join('; '));
+      } catch (err) {
+        throw store.beginError(err, literal);
+      }
+      if (bounded) saved = results[1].rows[0];
+      row = Store.beginRow(results[results.length - 1].rows[0]);
+    } else {
+      await q('BEGIN');
+      if (bounded) {
+        saved = (await q(opening[1])).rows[0];
+        await q(`${opening[2]}; ${opening[3]}`);
+      }
+      if (offset !== 0) await q(opening[opening.length - 1]);
+      row = await store.begin(client, args);
     }
-    const offset = clockOffsetOf(o);
-    if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
-    const row = await store.begin(client, {
-      key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor,
-    });
-    if (saved) {
+    // An answer that claims nothing is rolled back at once, its timeouts
+    // with it; a claim gets the session's back for the handler.
+    if (row.claimed && saved) {
       await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
         ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
     }

@@ -495,3 +495,34 @@ test('bad options and arguments are TypeErrors', async () => {
   assert.ok(bad.error instanceof TypeError);
   assert.equal(bad.released, true);
 });
+
+test('the claim goes in the message that opens its transaction: a replay is two round trips on the guard\'s client', async () => {
+  // A pool whose clients record the statements they are sent.
+  const texts = [];
+  const counted = {
+    connect: async () => {
+      const c = await pool.connect();
+      const real = c.query;
+      c.query = function recorded(q, ...rest) {
+        texts.push(typeof q === 'string' ? q : q.text);
+        return real.call(this, q, ...rest);
+      };
+      const release = c.release;
+      c.release = (...a) => { c.query = real; c.release = release; return release.apply(c, a); };
+      return c;
+    },
+  };
+  const guard = new Guard(counted, { scope: "it's \\scoped" });
+  const key = uniqueKey("it's \\a key");
+  const r = await guard.do(key, 'fp', async () => ({ status: 201, body: Buffer.from('once') }));
+  assert.equal(r.outcome, Outcome.EXECUTED);
+  assert.match(texts[0], /^BEGIN; SET LOCAL statement_timeout = 10000; SET LOCAL lock_timeout = 10000; SET LOCAL client_connection_check_interval = \d+; SELECT b\.\*.* FROM "public"\.idem_begin\( E'it''s \\\\a key-[^']*'::text, 'fp'::text/);
+  assert.equal(texts[1], 'COMMIT');
+  texts.length = 0;
+  const again = await guard.do(key, 'fp', async () => ({ status: 500 }));
+  assert.equal(again.outcome, Outcome.REPLAYED);
+  assert.equal(again.response.body.toString(), 'once');
+  assert.equal(texts.length, 2);
+  assert.equal(texts[1], 'COMMIT');
+  assert.equal((await lookup(pool, key, "it's \\scoped")).status, 201);
+});

@@ -228,3 +228,113 @@ test('a client already inside a transaction is refused, its transaction untouche
     c.release();
   }
 });
+
+// BEGIN, the timeouts and the claim go to the server in one message, the
+// claim's values written in as literals.
+
+/** The client's query calls from now on: one round trip each. */
+function countQueries(c) {
+  const texts = [];
+  const real = c.query;
+  c.query = function counted(q, ...rest) {
+    texts.push(typeof q === 'string' ? q : q.text);
+    return real.call(this, q, ...rest);
+  };
+  return { texts, restore: () => { c.query = real; } };
+}
+
+test('one message: BEGIN, the timeouts and the claim together; a replay makes two round trips, a new key five besides the handler statements', async () => {
+  await resetStock('G', 10);
+  const c = await pool.connect();
+  const calls = { n: 0 };
+  const seen = countQueries(c);
+  try {
+    const key = uniqueKey('tx-one');
+    const r = await transaction(c, key, 'sku=G', order('G', 0, calls));
+    assert.equal(r.outcome, Outcome.EXECUTED);
+    assert.match(seen.texts[0], /^BEGIN; SELECT pg_catalog\.current_setting\('statement_timeout'\).*; SET LOCAL statement_timeout = 10000; SET LOCAL lock_timeout = 10000; SELECT b\.\*.*idem_begin\('tx-one-[^']*'::text, 'sku=G'::text, NULL::interval, NULL::interval, ''::text, true::boolean\) b$/);
+    // the message, the session's timeouts back, the handler's UPDATE, the
+    // savepoint, idem_complete, COMMIT
+    assert.equal(seen.texts.length, 6, seen.texts.join('\n'));
+    assert.equal(seen.texts[5], 'COMMIT');
+    seen.texts.length = 0;
+    const again = await transaction(c, key, 'sku=G', order('G', 0, calls));
+    assert.equal(again.outcome, Outcome.REPLAYED);
+    assert.deepEqual(again.response.body, r.response.body);
+    assert.deepEqual(seen.texts.slice(1), ['ROLLBACK']);
+    // Without a timeout the message is BEGIN and the claim.
+    seen.texts.length = 0;
+    assert.equal((await transaction(c, key, 'sku=G', order('G', 0, calls), { timeout: 0 })).outcome, Outcome.REPLAYED);
+    assert.match(seen.texts[0], /^BEGIN; SELECT b\.\*/);
+    assert.equal(seen.texts.length, 2);
+    assert.equal(calls.n, 1);
+    assert.equal(await stockOf('G'), 9);
+    // The handler ran under the session's timeouts, not the claim's.
+    const shown = await transaction(c, uniqueKey('tx-one-st'), 'fp', async (claim) => {
+      const st = (await claim.client.query('SHOW statement_timeout')).rows[0].statement_timeout;
+      const lt = (await claim.client.query('SHOW lock_timeout')).rows[0].lock_timeout;
+      return { status: 200, body: Buffer.from(`${st} ${lt}`) };
+    });
+    assert.equal(shown.response.body.toString(), '0 0');
+  } finally {
+    seen.restore();
+    c.release();
+  }
+});
+
+test('one message: keys with quotes, backslashes and non-ASCII letters, with standard_conforming_strings on and off', async () => {
+  const c = await pool.connect();
+  try {
+    for (const scs of ['on', 'off']) {
+      await c.query(`SET standard_conforming_strings = ${scs}`);
+      const key = uniqueKey(`it's a \\key\\n "é" ${scs}`);
+      const fp = "fp with ' and \\";
+      let runs = 0;
+      const handler = async () => { runs += 1; return { status: 201, body: Buffer.from(key) }; };
+      assert.equal((await transaction(c, key, fp, handler, { scope: "o'scope\\" })).outcome, Outcome.EXECUTED);
+      const stored = await pool.query('SELECT key, scope FROM idem.keys WHERE key = $1', [key]);
+      assert.deepEqual(stored.rows, [{ key, scope: "o'scope\\" }]);
+      const again = await transaction(c, key, fp, handler, { scope: "o'scope\\" });
+      assert.equal(again.outcome, Outcome.REPLAYED);
+      assert.equal(again.response.body.toString(), key);
+      assert.equal((await transaction(c, key, `${fp}x`, handler, { scope: "o'scope\\" })).outcome, Outcome.CONFLICT);
+      assert.equal(runs, 1);
+    }
+  } finally {
+    await c.query('RESET standard_conforming_strings');
+    c.release();
+  }
+});
+
+test('one message: a NUL in the key is refused as a parameter would be (22021), a client without escapeLiteral sends one statement at a time', async () => {
+  const c = await pool.connect();
+  try {
+    await assert.rejects(transaction(c, 'nul\u0000key', 'fp', async () => ({ status: 200 })),
+      (e) => e instanceof IdemError && e.code === '22021');
+    assert.equal(c.getTransactionStatus ? c.getTransactionStatus() : 'I', 'I');
+    // A client object that only has query() (a wrapper, a proxy).
+    const wrapper = { query: (...a) => c.query(...a) };
+    const seen = countQueries(wrapper);
+    const key = uniqueKey('tx-wrapper');
+    const r = await transaction(wrapper, key, 'fp', async () => ({ status: 200, body: Buffer.from('w') }), { timeout: 0 });
+    assert.equal(r.outcome, Outcome.EXECUTED);
+    assert.deepEqual(seen.texts.slice(0, 1), ['BEGIN']);
+    assert.match(seen.texts[1], /idem_begin\(\$1::text, \$2::text/);
+    assert.equal((await transaction(wrapper, key, 'fp', async () => ({ status: 500 }), { timeout: 0 })).outcome, Outcome.REPLAYED);
+  } finally {
+    c.release();
+  }
+});
+
+test('one message: a schema without idem names idem_begin and the schema option; nothing is left open', async () => {
+  const c = await pool.connect();
+  try {
+    await assert.rejects(transaction(c, uniqueKey('tx-noschema'), 'fp', async () => ({ status: 200 }), { schema: 'no_such_schema' }),
+      (e) => e instanceof IdemError && e.code === '3F000' && /idem_begin|schema "no_such_schema"/.test(e.message) && /schema option/.test(e.message));
+    await assert.rejects(transaction(c, uniqueKey('tx-noschema'), 'fp', async () => ({ status: 200 }), { schema: 'pg_catalog' }),
+      (e) => e instanceof IdemError && e.code === '42883' && /pg_catalog.*idem_begin with 6 arguments/.test(e.message));
+    assert.equal(c.getTransactionStatus(), 'I');
+  } finally {
+    c.release();
+  }
+});
