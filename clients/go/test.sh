@@ -4,6 +4,8 @@
 #   sh clients/go/test.sh
 #
 # The cluster listens on port 55432 unless IDEM_GO_TEST_PORT names another.
+# IDEM_GO_TESTS, when set, is passed to go test -run (a regular expression
+# of test names): IDEM_GO_TESTS=TestDoTx sh clients/go/test.sh
 #
 # The idem extension must be installed already (make install).  Installs
 # Debian's Go and pgx v4 packages if they are missing, starts a cluster
@@ -88,7 +90,7 @@ run_go() {
 		cd "$work/gopath/src/idem/clients/go" &&
 			GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
 				IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=$1" \
-				exec go test -v -count=1 -timeout 300s ./idempotency/
+				exec go test -v -count=1 -timeout 300s ${IDEM_GO_TESTS:+-run "$IDEM_GO_TESTS"} ./idempotency/
 	) >>"$log" 2>&1 &
 	gotest=$!
 	wait "$gotest"
