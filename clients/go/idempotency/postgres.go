@@ -175,16 +175,24 @@ func serverTimeout(ctx context.Context) string {
 	return fmt.Sprintf("%dms", ms)
 }
 
+// locals are the statements that apply the clock offset and the timeouts
+// of ctx's deadline to a transaction.
+func (s *PostgresStore) locals(ctx context.Context, now time.Time) []stmt {
+	var pre []stmt
+	if s.ClientClock {
+		pre = append(pre, stmt{sql: sqlClock, args: []interface{}{now}})
+	}
+	if timeout := serverTimeout(ctx); timeout != "" {
+		pre = append(pre, stmt{sql: sqlTimeouts, args: []interface{}{timeout}})
+	}
+	return pre
+}
+
 // setLocals applies the clock offset and the timeouts of ctx's deadline
 // to tx.
 func (s *PostgresStore) setLocals(ctx context.Context, tx pgx.Tx, now time.Time) error {
-	if s.ClientClock {
-		if _, err := tx.Exec(ctx, sqlClock, extended, now); err != nil {
-			return err
-		}
-	}
-	if timeout := serverTimeout(ctx); timeout != "" {
-		if _, err := tx.Exec(ctx, sqlTimeouts, extended, timeout); err != nil {
+	for _, st := range s.locals(ctx, now) {
+		if err := st.run(ctx, tx); err != nil {
 			return err
 		}
 	}
@@ -237,9 +245,89 @@ func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier
 	return s.inTx(ctx, now, func(tx pgx.Tx) error { return fn(tx) })
 }
 
-// beginRow runs idem_begin on q and makes its answer a Record.  wait > 0
+// beginCall is the idem_begin statement for a claim, the function it
+// calls (for the error of a missing one) and its arguments.  wait > 0
 // calls the form with wait_for.
+func (s *PostgresStore) beginCall(key, fingerprint string, lease, retention, wait time.Duration) (string, string, []interface{}) {
+	args := []interface{}{key, fingerprint, interval(lease), interval(retention), s.Scope, !s.NoWait}
+	if wait > 0 {
+		return s.sql(sqlBeginWait), fnBeginWait, append(args, wait)
+	}
+	return s.sql(sqlBegin), fnBegin, args
+}
+
+// beginRow runs idem_begin on q and makes its answer a Record.
 func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
+	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
+	rows, err := q.Query(ctx, sql, append([]interface{}{extended}, args...)...)
+	return s.scanBegin(rows, err, fingerprint, fn)
+}
+
+// stmt is a statement that prepares a transaction for a claim: its SQL,
+// its arguments and where its row is scanned (nil: the row is dropped).
+type stmt struct {
+	sql  string
+	args []interface{}
+	dest []interface{}
+}
+
+// run runs st on tx alone.
+func (st stmt) run(ctx context.Context, tx pgx.Tx) error {
+	args := append([]interface{}{extended}, st.args...)
+	if st.dest != nil {
+		return tx.QueryRow(ctx, st.sql, args...).Scan(st.dest...)
+	}
+	_, err := tx.Exec(ctx, st.sql, args...)
+	return err
+}
+
+// claimAfter runs the statements pre and then idem_begin on tx as one
+// batch: one round trip once the connection has prepared them.  An error
+// of pre is returned as it is, the claim's with the missing function
+// named.  A connection that prefers the simple protocol runs them one at a
+// time: its batch would be one text query with the arguments written in,
+// and every statement here goes on the extended protocol.
+func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
+	if len(pre) == 0 || tx.Conn().Config().PreferSimpleProtocol {
+		for _, st := range pre {
+			if err := st.run(ctx, tx); err != nil {
+				return Record{}, false, err
+			}
+		}
+		return s.beginRow(ctx, tx, key, fingerprint, lease, retention, wait)
+	}
+	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
+	b := &pgx.Batch{}
+	for _, st := range pre {
+		b.Queue(st.sql, st.args...)
+	}
+	b.Queue(sql, args...)
+	br := tx.SendBatch(ctx, b)
+	defer br.Close()
+	for _, st := range pre {
+		var err error
+		if st.dest != nil {
+			err = br.QueryRow().Scan(st.dest...)
+		} else {
+			_, err = br.Exec()
+		}
+		if err != nil {
+			return Record{}, false, err
+		}
+	}
+	rows, err := br.Query()
+	rec, claimed, err := s.scanBegin(rows, err, fingerprint, fn)
+	if err != nil {
+		return Record{}, false, err
+	}
+	if err := br.Close(); err != nil {
+		return Record{}, false, err
+	}
+	return rec, claimed, nil
+}
+
+// scanBegin makes the row of idem_begin a Record.
+func (s *PostgresStore) scanBegin(rows pgx.Rows, err error, fingerprint, fn string) (Record, bool, error) {
 	var (
 		claimed               bool
 		state                 string
@@ -250,19 +338,6 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 		phase                 *string
 		phaseData             []byte
 	)
-	fn := fnBegin
-	var (
-		rows pgx.Rows
-		err  error
-	)
-	if wait > 0 {
-		fn = fnBeginWait
-		rows, err = q.Query(ctx, s.sql(sqlBeginWait), extended, key, fingerprint, interval(lease), interval(retention),
-			s.Scope, !s.NoWait, wait)
-	} else {
-		rows, err = q.Query(ctx, s.sql(sqlBegin), extended, key, fingerprint, interval(lease), interval(retention),
-			s.Scope, !s.NoWait)
-	}
 	if err != nil {
 		return Record{}, false, s.mapError(err, fn)
 	}
@@ -355,10 +430,7 @@ func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, 
 		return Record{}, false, err
 	}
 	defer rollback(tx)
-	if err := s.setLocals(cctx, tx, now); err != nil {
-		return Record{}, false, err
-	}
-	rec, claimed, err = s.beginRow(cctx, tx, key, fingerprint, lease, retention, waitFor)
+	rec, claimed, err = s.claimAfter(cctx, tx, s.locals(cctx, now), key, fingerprint, lease, retention, waitFor)
 	if err != nil {
 		return Record{}, false, err
 	}
@@ -546,27 +618,23 @@ func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint str
 	rec, claimed, err := func() (Record, bool, error) {
 		cctx, cancel := s.callContext(ctx, wait)
 		defer cancel()
+		var pre []stmt
 		if s.ClientClock {
-			if _, err := tx.Exec(cctx, sqlClock, extended, now); err != nil {
-				return Record{}, false, err
-			}
+			pre = append(pre, stmt{sql: sqlClock, args: []interface{}{now}})
 		}
 		timeout := serverTimeout(cctx)
 		if timeout == "" {
-			return s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
+			return s.claimAfter(cctx, tx, pre, key, fingerprint, g.Lease, g.Retention, wait)
 		}
 		// The claim's wait is bounded on the server too; the handler's
-		// statements then run under the transaction's own settings.
+		// statements then run under the transaction's own settings, saved
+		// in the claim's batch and put back when there is a handler to run.
 		var lockTimeout, statementTimeout string
-		if err := tx.QueryRow(cctx, sqlSaveTimeouts, extended).Scan(&lockTimeout, &statementTimeout); err != nil {
-			return Record{}, false, err
-		}
-		if _, err := tx.Exec(cctx, sqlTimeouts, extended, timeout); err != nil {
-			return Record{}, false, err
-		}
-		rec, claimed, err := s.beginRow(cctx, tx, key, fingerprint, g.Lease, g.Retention, wait)
-		if err != nil {
-			return Record{}, false, err
+		pre = append(pre, stmt{sql: sqlSaveTimeouts, dest: []interface{}{&lockTimeout, &statementTimeout}},
+			stmt{sql: sqlTimeouts, args: []interface{}{timeout}})
+		rec, claimed, err := s.claimAfter(cctx, tx, pre, key, fingerprint, g.Lease, g.Retention, wait)
+		if err != nil || !claimed {
+			return rec, claimed, err
 		}
 		if _, err := tx.Exec(cctx, sqlRestoreTimeouts, extended, lockTimeout, statementTimeout); err != nil {
 			return Record{}, false, err
