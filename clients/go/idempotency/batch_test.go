@@ -65,10 +65,11 @@ func TestBoundedClaimRoundTrips(t *testing.T) {
 	}{
 		// BEGIN, batch (save, bound, claim), restore, handler, complete,
 		// COMMIT; a replay BEGIN, batch, ROLLBACK; Do's claim BEGIN, batch
-		// (bound, claim), COMMIT and its complete BEGIN, bound, complete,
-		// COMMIT.
-		{"extended", false, 6, 3, 7},
-		// One statement at a time: save, bound and claim are three.
+		// (bound, claim), COMMIT and its complete BEGIN, batch (bound,
+		// complete), COMMIT.
+		{"extended", false, 6, 3, 6},
+		// One statement at a time: save, bound and claim are three, and
+		// Do's bound and complete two.
 		{"simple_protocol", true, 8, 5, 8},
 	} {
 		t.Run(c.name, func(t *testing.T) {

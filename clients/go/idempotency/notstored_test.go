@@ -360,41 +360,46 @@ func TestMissingFunctionNamed(t *testing.T) {
 		{"pg_catalog", "42883", "pg_catalog", 0},
 		{"pg_catalog", "42883", "pg_catalog", time.Second},
 	} {
-		store := NewPostgresStore(testPool)
-		store.Scope = newScope(t)
-		store.Schema = c.schema
-		_, _, err := store.BeginWait(bg, "m-1", "fp", time.Now(), time.Second, time.Hour, c.wait)
-		var ie *Error
-		var pg *pgconn.PgError
-		fn := fnBegin
-		if c.wait > 0 {
-			fn = fnBeginWait
-		}
-		msg := fmt.Sprint(err)
-		if !errors.As(err, &ie) || ie.Code != c.code || !errors.As(err, &pg) || pg.Code != c.code ||
-			!strings.Contains(msg, `"`+c.quoted+`".`+fn) || !strings.Contains(msg, "PostgresStore.Schema") ||
-			strings.Contains(msg, "needs idem 1.4") != (c.wait > 0) {
-			t.Fatalf("schema %s wait %v: %v", c.schema, c.wait, err)
-		}
-		err = store.Complete(WithClaim(bg, Claim{Key: "m-1", Token: 1}), "m-1", "fp", Response{Status: 200}, time.Now(), time.Hour)
-		if !errors.As(err, &ie) || ie.Code != c.code || !strings.Contains(err.Error(), fnComplete) {
-			t.Fatalf("complete, schema %s: %v", c.schema, err)
-		}
-		_, err = store.Release(bg, "m-1", 1, time.Now())
-		if !errors.As(err, &ie) || !strings.Contains(err.Error(), fnRelease) {
-			t.Fatalf("release, schema %s: %v", c.schema, err)
-		}
-		_, err = store.Extend(bg, "m-1", 1, time.Now(), time.Second)
-		if !errors.As(err, &ie) || !strings.Contains(err.Error(), fnExtend) {
-			t.Fatalf("extend, schema %s: %v", c.schema, err)
-		}
-		// Do tells it through ErrUnavailable.
-		g := &Guard{Store: store, WaitFor: c.wait}
-		var calls atomic.Int32
-		_, out, err := g.Do(bg, "m-1", "fp", okHandler(&calls))
-		if out != Unavailable || !errors.Is(err, ErrUnavailable) || !errors.As(err, &ie) || ie.Code != c.code ||
-			!strings.Contains(err.Error(), fn) || calls.Load() != 0 {
-			t.Fatalf("Do, schema %s: out=%s err=%v", c.schema, out, err)
+		// Timeout gives every call a deadline: the settings then go in one
+		// batch with the call's statement.
+		for _, timeout := range []time.Duration{0, time.Minute} {
+			store := NewPostgresStore(testPool)
+			store.Scope = newScope(t)
+			store.Schema = c.schema
+			store.Timeout = timeout
+			_, _, err := store.BeginWait(bg, "m-1", "fp", time.Now(), time.Second, time.Hour, c.wait)
+			var ie *Error
+			var pg *pgconn.PgError
+			fn := fnBegin
+			if c.wait > 0 {
+				fn = fnBeginWait
+			}
+			msg := fmt.Sprint(err)
+			if !errors.As(err, &ie) || ie.Code != c.code || !errors.As(err, &pg) || pg.Code != c.code ||
+				!strings.Contains(msg, `"`+c.quoted+`".`+fn) || !strings.Contains(msg, "PostgresStore.Schema") ||
+				strings.Contains(msg, "needs idem 1.4") != (c.wait > 0) {
+				t.Fatalf("schema %s wait %v timeout %v: %v", c.schema, c.wait, timeout, err)
+			}
+			err = store.Complete(WithClaim(bg, Claim{Key: "m-1", Token: 1}), "m-1", "fp", Response{Status: 200}, time.Now(), time.Hour)
+			if !errors.As(err, &ie) || ie.Code != c.code || !strings.Contains(err.Error(), fnComplete) {
+				t.Fatalf("complete, schema %s: %v", c.schema, err)
+			}
+			_, err = store.Release(bg, "m-1", 1, time.Now())
+			if !errors.As(err, &ie) || !strings.Contains(err.Error(), fnRelease) {
+				t.Fatalf("release, schema %s: %v", c.schema, err)
+			}
+			_, err = store.Extend(bg, "m-1", 1, time.Now(), time.Second)
+			if !errors.As(err, &ie) || !strings.Contains(err.Error(), fnExtend) {
+				t.Fatalf("extend, schema %s: %v", c.schema, err)
+			}
+			// Do tells it through ErrUnavailable.
+			g := &Guard{Store: store, WaitFor: c.wait}
+			var calls atomic.Int32
+			_, out, err := g.Do(bg, "m-1", "fp", okHandler(&calls))
+			if out != Unavailable || !errors.Is(err, ErrUnavailable) || !errors.As(err, &ie) || ie.Code != c.code ||
+				!strings.Contains(err.Error(), fn) || calls.Load() != 0 {
+				t.Fatalf("Do, schema %s: out=%s err=%v", c.schema, out, err)
+			}
 		}
 	}
 }

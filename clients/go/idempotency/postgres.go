@@ -7,6 +7,7 @@ import (
 	"math"
 	"time"
 
+	"github.com/jackc/pgconn"
 	"github.com/jackc/pgx/v4"
 	"github.com/jackc/pgx/v4/pgxpool"
 )
@@ -206,22 +207,6 @@ func (s *PostgresStore) needsTx(ctx context.Context) bool {
 	return s.ClientClock || deadline
 }
 
-// inTx runs fn in a transaction with the settings applied and commits.
-func (s *PostgresStore) inTx(ctx context.Context, now time.Time, fn func(pgx.Tx) error) error {
-	tx, err := s.pool.Begin(ctx)
-	if err != nil {
-		return err
-	}
-	defer rollback(tx)
-	if err := s.setLocals(ctx, tx, now); err != nil {
-		return err
-	}
-	if err := fn(tx); err != nil {
-		return err
-	}
-	return tx.Commit(ctx)
-}
-
 // rollback ends tx if it is still open; a broken connection is dropped by
 // the pool.
 func rollback(tx pgx.Tx) {
@@ -237,12 +222,20 @@ type querier interface {
 }
 
 // call runs one single-row statement, in a transaction when the settings
-// need one.
+// need one; the settings then go in one batch with the statement.
 func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier) error) error {
 	if !s.needsTx(ctx) {
 		return fn(s.pool)
 	}
-	return s.inTx(ctx, now, func(tx pgx.Tx) error { return fn(tx) })
+	tx, err := s.pool.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer rollback(tx)
+	if err := fn(&settled{tx: tx, pre: s.locals(ctx, now)}); err != nil {
+		return err
+	}
+	return tx.Commit(ctx)
 }
 
 // beginCall is the idem_begin statement for a claim, the function it
@@ -281,29 +274,26 @@ func (st stmt) run(ctx context.Context, tx pgx.Tx) error {
 	return err
 }
 
-// claimAfter runs the statements pre and then idem_begin on tx as one
-// batch: one round trip once the connection has prepared them.  An error
-// of pre is returned as it is, the claim's with the missing function
-// named.  A connection that prefers the simple protocol runs them one at a
-// time: its batch would be one text query with the arguments written in,
-// and every statement here goes on the extended protocol.
-func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
-	if len(pre) == 0 || tx.Conn().Config().PreferSimpleProtocol {
-		for _, st := range pre {
-			if err := st.run(ctx, tx); err != nil {
-				return Record{}, false, err
-			}
-		}
-		return s.beginRow(ctx, tx, key, fingerprint, lease, retention, wait)
-	}
-	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
+// batched tells whether statements pre can go in one batch with the
+// statement after them on tx.  A connection that prefers the simple
+// protocol runs them one at a time: its batch would be one text query with
+// the arguments written in, and every statement here goes on the extended
+// protocol.
+func batched(tx pgx.Tx, pre []stmt) bool {
+	return len(pre) > 0 && !tx.Conn().Config().PreferSimpleProtocol
+}
+
+// sendAfter sends the statements pre and then sql with args on tx as one
+// batch, one round trip once the connection has prepared them, and reads
+// the results of pre.  The batch's next result is sql's; the caller closes
+// the batch.
+func sendAfter(ctx context.Context, tx pgx.Tx, pre []stmt, sql string, args []interface{}) (pgx.BatchResults, error) {
 	b := &pgx.Batch{}
 	for _, st := range pre {
 		b.Queue(st.sql, st.args...)
 	}
 	b.Queue(sql, args...)
 	br := tx.SendBatch(ctx, b)
-	defer br.Close()
 	for _, st := range pre {
 		var err error
 		if st.dest != nil {
@@ -312,9 +302,38 @@ func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, k
 			_, err = br.Exec()
 		}
 		if err != nil {
-			return Record{}, false, err
+			br.Close()
+			return nil, err
 		}
 	}
+	return br, nil
+}
+
+// claimAfter runs the statements pre and then idem_begin on tx, in one
+// batch where batched allows.  An error of pre is returned as it is, the
+// claim's with the missing function named.
+func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
+	if !batched(tx, pre) {
+		for _, st := range pre {
+			if err := st.run(ctx, tx); err != nil {
+				return Record{}, false, err
+			}
+		}
+		return s.beginRow(ctx, tx, key, fingerprint, lease, retention, wait)
+	}
+	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
+	br, err := sendAfter(ctx, tx, pre, sql, args)
+	if err != nil {
+		// The batch prepares its statements before it runs them: a claim
+		// whose function or schema is missing fails there, and the error
+		// comes with the first of pre, whose functions are pg_catalog's.
+		var pg *pgconn.PgError
+		if errors.As(err, &pg) && (pg.Code == "42883" || pg.Code == "3F000") {
+			return Record{}, false, s.mapError(err, fn)
+		}
+		return Record{}, false, err
+	}
+	defer br.Close()
 	rows, err := br.Query()
 	rec, claimed, err := s.scanBegin(rows, err, fingerprint, fn)
 	if err != nil {
@@ -324,6 +343,72 @@ func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, k
 		return Record{}, false, err
 	}
 	return rec, claimed, nil
+}
+
+// settled is a querier on a transaction whose first single-row statement
+// goes after the statements pre (the call's clock offset and timeouts),
+// in one batch with them where batched allows.
+type settled struct {
+	tx  pgx.Tx
+	pre []stmt
+}
+
+// errRow is a row that fails with err.
+type errRow struct{ err error }
+
+func (r errRow) Scan(...interface{}) error { return r.err }
+
+// batchRow is the row of a batch's last statement; Scan closes the batch.
+type batchRow struct{ br pgx.BatchResults }
+
+func (r batchRow) Scan(dest ...interface{}) error {
+	err := r.br.QueryRow().Scan(dest...)
+	if cerr := r.br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
+// settle runs what is left of pre one statement at a time.
+func (q *settled) settle(ctx context.Context) error {
+	pre := q.pre
+	q.pre = nil
+	for _, st := range pre {
+		if err := st.run(ctx, q.tx); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+// QueryRow runs sql with args (the first may be the extended option, which
+// a batch does not take: a batch is always extended).
+func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row {
+	if !batched(q.tx, q.pre) {
+		if err := q.settle(ctx); err != nil {
+			return errRow{err}
+		}
+		return q.tx.QueryRow(ctx, sql, args...)
+	}
+	if len(args) > 0 {
+		if _, ok := args[0].(pgx.QuerySimpleProtocol); ok {
+			args = args[1:]
+		}
+	}
+	pre := q.pre
+	q.pre = nil
+	br, err := sendAfter(ctx, q.tx, pre, sql, args)
+	if err != nil {
+		return errRow{err}
+	}
+	return batchRow{br}
+}
+
+func (q *settled) Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error) {
+	if err := q.settle(ctx); err != nil {
+		return nil, err
+	}
+	return q.tx.Query(ctx, sql, args...)
 }
 
 // scanBegin makes the row of idem_begin a Record.
