@@ -39,6 +39,11 @@
 #include <string.h>
 #include <sys/socket.h>
 
+/* A call and its settings go in one pipeline (libpq 14 and later). */
+#ifndef LIBPQ_HAS_PIPELINING
+#error "the idem guard needs libpq 14 or later (pipeline mode)"
+#endif
+
 /* Longest wait between two looks at a stop request. */
 #define STOP_SLICE_MS			50
 
@@ -261,6 +266,24 @@ give_up(PGconn *conn)
 		;
 }
 
+/* Drop the results of a connection given up, a pipeline's too. */
+static void
+drain(PGconn *conn)
+{
+	PGresult   *res;
+
+	for (;;)
+	{
+		res = PQgetResult(conn);
+		if (res != NULL)
+			PQclear(res);
+		else if (PQpipelineStatus(conn) == PQ_PIPELINE_OFF ||
+				 PQstatus(conn) != CONNECTION_OK ||
+				 PQexitPipelineMode(conn))
+			break;
+	}
+}
+
 /*
  * Wait until a result can be read without blocking, until until.  What
  * has arrived by then is read, once, before a timeout or a stop is told.
@@ -396,8 +419,33 @@ earlier(const struct timespec *a, const struct timespec *b)
 }
 
 /*
- * Run one statement and read its results, within the deadline.  Returns
- * the statement's result (tuples or command OK), or NULL with *err set.
+ * Send st, after pre unless pre is NULL: with pre, both go in one pipeline
+ * ending in a single Sync, one round trip.  The server runs them in one
+ * implicit transaction, which commits at the Sync when both succeed; an
+ * error of pre skips st.  False with conn's error message if libpq could
+ * not queue them.
+ */
+static bool
+send_statements(PGconn *conn, const GuardStatement *pre,
+				const GuardStatement *st)
+{
+	if (pre == NULL)
+		return PQsendQueryParams(conn, st->sql, st->nparams, NULL, st->values,
+								 st->lengths, st->formats, st->result_format);
+	return PQenterPipelineMode(conn) &&
+		PQsendQueryParams(conn, pre->sql, pre->nparams, NULL, pre->values,
+						  pre->lengths, pre->formats, pre->result_format) &&
+		PQsendQueryParams(conn, st->sql, st->nparams, NULL, st->values,
+						  st->lengths, st->formats, st->result_format) &&
+		PQpipelineSync(conn);
+}
+
+/*
+ * Run one statement and read its results, within the deadline, after the
+ * statement pre in the same implicit transaction (NULL: none; see
+ * send_statements).  Returns the statement's result (tuples or command
+ * OK), or NULL with *err set; pre's result is dropped, and an error of
+ * pre is the call's.
  *
  * A result that arrives although the statement was cancelled is returned:
  * it ended before the cancel reached it.  A result followed by an error
@@ -407,9 +455,9 @@ earlier(const struct timespec *a, const struct timespec *b)
  * may or may not have been committed.
  */
 static PGresult *
-run_statement(PGconn *conn, const GuardStatement *st,
-			  const struct timespec *deadline, GuardStop *stop,
-			  GuardError *err, bool *uncertain)
+run_statement(PGconn *conn, const GuardStatement *pre,
+			  const GuardStatement *st, const struct timespec *deadline,
+			  GuardStop *stop, GuardError *err, bool *uncertain)
 {
 	struct timespec cancel_at;
 	const struct timespec *until = deadline;
@@ -419,6 +467,8 @@ run_statement(PGconn *conn, const GuardStatement *st,
 	PGresult   *ok = NULL;
 	PGresult   *failed = NULL;
 	PGresult   *res;
+	bool		pre_result = (pre != NULL);	/* pre's result still to come */
+	bool		synced = (pre == NULL); /* the pipeline's end was read */
 
 	*uncertain = false;
 	/* Leave the grace for the cancel, unless it is already eaten into. */
@@ -429,12 +479,16 @@ run_statement(PGconn *conn, const GuardStatement *st,
 		if (idem_guard_ms_until(&cancel_at) > 0)
 			until = &cancel_at;
 	}
-	if (PQsetnonblocking(conn, 1) != 0 ||
-		!PQsendQueryParams(conn, st->sql, st->nparams, NULL, st->values,
-						   st->lengths, st->formats, st->result_format))
+	if (PQsetnonblocking(conn, 1) != 0 || !send_statements(conn, pre, st))
 	{
 		idem_guard_error_text(err, NULL, PQerrorMessage(conn));
-		if (was_blocking)
+		if (PQpipelineStatus(conn) != PQ_PIPELINE_OFF)
+		{
+			/* Part of the pipeline may be queued: the connection is done for. */
+			give_up(conn);
+			drain(conn);
+		}
+		if (was_blocking && PQstatus(conn) == CONNECTION_OK)
 			PQsetnonblocking(conn, 0);
 		return NULL;
 	}
@@ -442,8 +496,7 @@ run_statement(PGconn *conn, const GuardStatement *st,
 	{
 		/* Half a message on the wire: the connection is done for. */
 		give_up(conn);
-		while ((res = PQgetResult(conn)) != NULL)
-			PQclear(res);
+		drain(conn);
 		return NULL;
 	}
 
@@ -472,9 +525,26 @@ run_statement(PGconn *conn, const GuardStatement *st,
 		}
 		res = PQgetResult(conn);
 		if (res == NULL)
-			break;
+		{
+			/* In a pipeline, NULL ends one statement's results. */
+			if (synced || PQstatus(conn) != CONNECTION_OK)
+				break;
+			continue;
+		}
 		status = PQresultStatus(res);
-		if (ok == NULL && failed == NULL &&
+		if (status == PGRES_PIPELINE_SYNC)
+			synced = true;
+		if (pre_result &&
+			(status == PGRES_TUPLES_OK || status == PGRES_COMMAND_OK))
+		{
+			pre_result = false;
+			PQclear(res);
+			continue;
+		}
+		pre_result = false;
+		if (status == PGRES_PIPELINE_SYNC || status == PGRES_PIPELINE_ABORTED)
+			PQclear(res);	/* the end, or st skipped after pre's error */
+		else if (ok == NULL && failed == NULL &&
 			(status == PGRES_TUPLES_OK || status == PGRES_COMMAND_OK))
 			ok = res;
 		else if (failed == NULL && status != PGRES_TUPLES_OK &&
@@ -483,6 +553,9 @@ run_statement(PGconn *conn, const GuardStatement *st,
 		else
 			PQclear(res);
 	}
+	if (pre != NULL && PQstatus(conn) == CONNECTION_OK &&
+		!PQexitPipelineMode(conn) && failed == NULL)
+		failed = PQmakeEmptyPGresult(conn, PGRES_FATAL_ERROR);
 	if (was_blocking && PQstatus(conn) == CONNECTION_OK)
 		PQsetnonblocking(conn, 0);
 
@@ -516,67 +589,81 @@ run_command(PGconn *conn, const char *sql, int nparams,
 {
 	GuardStatement st = {sql, nparams, values, NULL, NULL, 0};
 	bool		uncertain;
-	PGresult   *res = run_statement(conn, &st, deadline, stop, err,
+	PGresult   *res = run_statement(conn, NULL, &st, deadline, stop, err,
 									&uncertain);
 
 	PQclear(res);
 	return res != NULL && !uncertain;
 }
 
-/*
- * Set, for the transaction begun on conn, the test clock offset (0: none)
- * and, with a deadline, lock_timeout and statement_timeout ending each
- * statement on the server GUARD_SERVER_END_MS before the deadline (or
- * sooner, by the session's own where they are shorter).
- */
-static bool
-set_locals(PGconn *conn, int clock_offset_s, const struct timespec *deadline,
-		   GuardStop *stop, GuardError *err)
+/* The statement that sets a call's clock offset and timeouts. */
+typedef struct GuardLocals
 {
 	char		offset[16];
 	char		timeout[32];
 	const char *values[2];
+	GuardStatement st;
+} GuardLocals;
+
+/*
+ * Make in *lc the statement that sets, for the transaction it runs in, the
+ * test clock offset (0: none) and, with a deadline, lock_timeout and
+ * statement_timeout ending each statement on the server
+ * GUARD_SERVER_END_MS before the deadline (or sooner, by the session's own
+ * where they are shorter).
+ */
+static void
+locals_statement(GuardLocals *lc, int clock_offset_s,
+				 const struct timespec *deadline)
+{
 	long		ms;
 
-	snprintf(offset, sizeof(offset), "%d", clock_offset_s);
+	memset(lc, 0, sizeof(GuardLocals));
+	lc->st.values = lc->values;
+	snprintf(lc->offset, sizeof(lc->offset), "%d", clock_offset_s);
 	if (deadline == NULL)
 	{
-		values[0] = offset;
-		return run_command(conn, SQL_CLOCK, 1, values, deadline, stop, err);
+		lc->values[0] = lc->offset;
+		lc->st.sql = SQL_CLOCK;
+		lc->st.nparams = 1;
+		return;
 	}
 	/* 0 would be no timeout at all. */
 	ms = idem_guard_ms_until(deadline) - GUARD_SERVER_END_MS;
-	snprintf(timeout, sizeof(timeout), "%ldms", ms > 0 ? ms : 1);
+	snprintf(lc->timeout, sizeof(lc->timeout), "%ldms", ms > 0 ? ms : 1);
 	if (clock_offset_s == 0)
 	{
-		values[0] = timeout;
-		return run_command(conn, SQL_TIMEOUTS, 1, values, deadline, stop, err);
+		lc->values[0] = lc->timeout;
+		lc->st.sql = SQL_TIMEOUTS;
+		lc->st.nparams = 1;
+		return;
 	}
-	values[0] = offset;
-	values[1] = timeout;
-	return run_command(conn, SQL_CLOCK_TIMEOUTS, 2, values, deadline, stop, err);
+	lc->values[0] = lc->offset;
+	lc->values[1] = lc->timeout;
+	lc->st.sql = SQL_CLOCK_TIMEOUTS;
+	lc->st.nparams = 2;
 }
 
 /*
  * Run one statement in its own transaction, within the deadline (NULL:
  * none) and until stop is requested (NULL: never): as a single statement
- * when there is neither a deadline nor a test clock offset, otherwise
- * between BEGIN and COMMIT after setting, for that transaction only,
- * idem.clock_offset and the timeouts that end the statement on the server
- * before the deadline (set_locals).  A statement the client gave up on is
- * thus ended by the server even if the cancel request never reaches it,
- * and whatever it did is never committed.  Returns the result or NULL
- * with *err set; *uncertain as for run_statement (in a transaction: the
- * statement answered but its COMMIT did not).  err->timed_out tells a
- * statement cut by the deadline.  Nothing is sent once stop is requested.
+ * when there is neither a deadline nor a test clock offset, otherwise in
+ * one pipeline after the statement that sets, for their implicit
+ * transaction only, idem.clock_offset and the timeouts that end the
+ * statement on the server before the deadline (locals_statement): one
+ * round trip either way.  A statement the client gave up on is thus ended
+ * by the server even if the cancel request never reaches it, and whatever
+ * it did is never committed.  Returns the result or NULL with *err set;
+ * *uncertain as for run_statement (the statement answered but the end of
+ * its transaction was not confirmed).  err->timed_out tells a statement
+ * cut by the deadline.  Nothing is sent once stop is requested.
  */
 PGresult *
 idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 				const struct timespec *deadline, GuardStop *stop,
 				GuardError *err, bool *uncertain)
 {
-	PGresult   *res;
-	GuardError	ignored;
+	GuardLocals lc;
 
 	*uncertain = false;
 	err->timed_out = false;
@@ -597,38 +684,9 @@ idem_guard_conn_exec(PGconn *conn, const GuardStatement *st, int clock_offset_s,
 		return NULL;
 	}
 	if (clock_offset_s == 0 && deadline == NULL)
-		return run_statement(conn, st, deadline, stop, err, uncertain);
-
-	if (!run_command(conn, "BEGIN", 0, NULL, deadline, stop, err))
-		return NULL;
-	if (set_locals(conn, clock_offset_s, deadline, stop, err))
-	{
-		res = run_statement(conn, st, deadline, stop, err, uncertain);
-		if (res != NULL && !*uncertain)
-		{
-			if (!run_command(conn, "COMMIT", 0, NULL, deadline, stop, err))
-				*uncertain = true;
-			return res;
-		}
-		/* Inside a transaction, a statement's error rolls it back. */
-		PQclear(res);
-		*uncertain = false;
-	}
-	if (PQstatus(conn) == CONNECTION_OK &&
-		PQtransactionStatus(conn) != PQTRANS_IDLE)
-	{
-		/*
-		 * The rollback gets a grace of its own: the statement may have
-		 * ended (by the server's timeouts) just before the deadline, and a
-		 * connection given up for a late rollback is lost for nothing.
-		 */
-		struct timespec rollback_deadline;
-
-		idem_guard_time_after(&rollback_deadline, GUARD_CANCEL_GRACE_MS);
-		run_command(conn, "ROLLBACK", 0, NULL,
-					deadline ? &rollback_deadline : NULL, stop, &ignored);
-	}
-	return NULL;
+		return run_statement(conn, NULL, st, deadline, stop, err, uncertain);
+	locals_statement(&lc, clock_offset_s, deadline);
+	return run_statement(conn, &lc.st, st, deadline, stop, err, uncertain);
 }
 
 /*
@@ -668,7 +726,7 @@ idem_guard_conn_exec_in_tx(PGconn *conn, const GuardStatement *st,
 		if (!run_command(conn, SQL_CLOCK, 1, values, deadline, NULL, err))
 			return NULL;
 	}
-	res = run_statement(conn, st, deadline, NULL, err, &uncertain);
+	res = run_statement(conn, NULL, st, deadline, NULL, err, &uncertain);
 	if (res != NULL && uncertain)
 	{
 		PQclear(res);

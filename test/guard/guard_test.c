@@ -1452,6 +1452,70 @@ test_session_timeout(void)
 	free(short_lock);
 }
 
+/*
+ * Messages of kind name the connection sent while traced into trace,
+ * which is then closed.  Every request of the extended protocol ends in
+ * one Sync, so Syncs count round trips.
+ */
+static int
+traced(FILE *trace, const char *name)
+{
+	char		line[1024];
+	char		pattern[64];
+	int			n = 0;
+
+	snprintf(pattern, sizeof(pattern), "\t%s", name);
+	rewind(trace);
+	while (fgets(line, sizeof(line), trace) != NULL)
+		if (line[0] == 'F' && strstr(line, pattern) != NULL)
+			n++;
+	fclose(trace);
+	return n;
+}
+
+/*
+ * Under a timeout each call is one round trip: the statement setting its
+ * timeouts goes in one pipeline with it, no BEGIN or COMMIT.  A new key
+ * (claim and complete) is two, a replay one; the connection is left
+ * outside a transaction and out of pipeline mode.
+ */
+static void
+test_round_trips(PGconn *conn)
+{
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	FILE	   *trace;
+	int			syncs;
+
+	opts_init(&opts);
+	opts.timeout_ms = 60000;
+	ctx_init(&ctx);
+	trace = tmpfile();
+	PQtrace(conn, trace);
+	PQsetTraceFlags(conn, PQTRACE_SUPPRESS_TIMESTAMPS);
+	run(conn, &opts, "round-trips", "fp", &ctx, &res);
+	PQuntrace(conn);
+	syncs = traced(trace, "Sync");
+	printf("round_trips_new: outcome=%s calls=%d syncs=%d state=%s idle=%s\n",
+		   idem_outcome_name(res.outcome), ctx.calls, syncs,
+		   key_state("round-trips"),
+		   PQtransactionStatus(conn) == PQTRANS_IDLE &&
+		   PQpipelineStatus(conn) == PQ_PIPELINE_OFF ? "yes" : "no");
+	idem_result_clear(&res);
+
+	trace = tmpfile();
+	PQtrace(conn, trace);
+	PQsetTraceFlags(conn, PQTRACE_SUPPRESS_TIMESTAMPS);
+	run(conn, &opts, "round-trips", "fp", &ctx, &res);
+	PQuntrace(conn);
+	syncs = traced(trace, "Sync");
+	printf("round_trips_replay: outcome=%s calls=%d syncs=%d body=%.*s\n",
+		   idem_outcome_name(res.outcome), ctx.calls, syncs,
+		   (int) res.resp.body_len, res.resp.body ? (const char *) res.resp.body : "");
+	idem_result_clear(&res);
+}
+
 /* The lock test's watcher: what it needs and what it found. */
 typedef struct LockWatch
 {
@@ -1765,6 +1829,7 @@ main(int argc, char **argv)
 	test_schema(conn);
 	test_cancel_held();
 	test_session_timeout();
+	test_round_trips(conn);
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 	test_wait_for(conn);

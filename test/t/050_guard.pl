@@ -144,6 +144,10 @@ my @expected = (
 	# lock_timeout of 200 ms ends a claim's wait although the call's
 	# timeout is ten minutes.
 	[ session_timeout => 'outcome=UNAVAILABLE failed=begin sqlstate=55P03 calls=0 conn=ok' ],
+	# Under a timeout each call is one round trip (one Sync): its
+	# timeouts go in one pipeline with it, no BEGIN or COMMIT of its own.
+	[ round_trips_new => 'outcome=EXECUTED calls=1 syncs=2 state=DONE idle=yes' ],
+	[ round_trips_replay => 'outcome=REPLAYED calls=1 syncs=1 body=created' ],
 	# Stopping the heartbeat does not wait for its idem_extend, which waits
 	# for the key's row, held FOR UPDATE by another session for up to 30 s:
 	# the extend is cancelled, the guard goes on to complete, and the
