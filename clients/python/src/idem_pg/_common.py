@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-from psycopg import sql
 
 from .errors import CheckpointUnreadable, InjectedFault, InvalidArgument, Unavailable
 
@@ -467,18 +466,24 @@ class Statements:
         return self.begin_phase if phase else self.begin
 
     @staticmethod
-    def prelude(timeout_s: Optional[float], clock: Optional[str]):
-        """The SET LOCALs that go before a guard statement, or None."""
-        parts, args = [], []
+    def opening(begin: bool, timeout_s: Optional[float], offset_s: float) -> Optional[str]:
+        """What goes before a guard statement as one message of the simple
+        protocol, one round trip: BEGIN (``begin``: on an autocommit
+        connection) and the SET LOCALs of the call's timeout and clock
+        offset; None when there is nothing to set and the statement runs
+        on its own.  The values are numbers this client writes, so they go
+        in as literals."""
+        parts = []
         if timeout_s:
-            parts.append("pg_catalog.set_config('statement_timeout', %s::text, true)")
-            args.append("%d" % max(1, round(timeout_s * 1000)))
-        if clock:
-            parts.append("pg_catalog.set_config('idem.clock_offset', %s::text, true)")
-            args.append(clock)
+            parts.append("pg_catalog.set_config('statement_timeout', '%d', true)"
+                         % max(1, round(timeout_s * 1000)))
+        if offset_s:
+            parts.append("pg_catalog.set_config('idem.clock_offset', '%d ms', true)"
+                         % round(offset_s * 1000))
         if not parts:
             return None
-        return sql.SQL("SELECT " + ", ".join(parts)), args
+        sets = "SELECT " + ", ".join(parts)
+        return "BEGIN; " + sets if begin else sets
 
 
 def text(value: Any) -> Any:

@@ -170,12 +170,13 @@ class AsyncGuard:
         timeout = self.timeout + extra if self.timeout else None
         try:
             # Results in binary, as in Guard._exec.
+            opening = Statements.opening(conn.autocommit, timeout, offset_s)
+            if opening is not None:
+                # BEGIN and the SET LOCALs in one message (simple protocol)
+                await conn.execute(opening)
+            # else the statement runs alone: on an autocommit connection it
+            # is its own transaction, otherwise psycopg begins one
             async with conn.cursor(binary=True) as cur:
-                if conn.autocommit:
-                    await cur.execute("BEGIN")
-                pre = Statements.prelude(timeout, offset_text(offset_s))
-                if pre is not None:
-                    await cur.execute(pre[0], pre[1])
                 if timeout:
                     # the server ends the wait at timeout; this is the backstop
                     await asyncio.wait_for(cur.execute(query, params),
