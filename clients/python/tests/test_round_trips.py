@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import threading
 
 import psycopg
 import pytest
@@ -91,3 +92,33 @@ def test_timeout_ends_with_the_call(dsn):
         r = g.do(new_key("rt-t"), "fp", lambda claim: Response(200, b""))
         assert r.outcome is Outcome.EXECUTED
         assert conn.execute("SHOW statement_timeout").fetchone()[0] in ("0", b"0")
+
+
+def test_a_shorter_session_statement_timeout_is_kept(dsn, db):
+    """The guard's timeout bounds a call, never loosens the session's own
+    shorter statement_timeout: with timeout=3600 and a session at 200 ms, a
+    claim waiting for a holder ends at 200 ms (57014)."""
+    key = new_key("rt-s")
+    holder = psycopg.connect(dsn)
+    holder.execute("SELECT * FROM public.idem_begin(%s::text, 'fp'::text)", [key])
+    conn = psycopg.connect(dsn, autocommit=True, options="-c statement_timeout=200")
+    result = []
+    t = threading.Thread(target=lambda: result.append(Guard(conn, timeout=3600).do(key, "fp", handler)),
+                         daemon=True)
+    try:
+        t.start()
+        t.join(60)
+        ended_while_held = bool(result)
+    finally:
+        # a call still waiting ends once the holder is gone
+        holder.rollback()
+        holder.close()
+        t.join(60)
+    try:
+        assert ended_while_held, "the call waited on: the guard's timeout replaced the session's"
+        r = result[0]
+        assert (r.outcome, getattr(r.error, "sqlstate", None)) == (Outcome.UNAVAILABLE, "57014")
+        assert conn.execute("SHOW statement_timeout").fetchone()[0] in ("200ms", b"200ms")
+    finally:
+        conn.close()
+    assert lookup(db, key) is None

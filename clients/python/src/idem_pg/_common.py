@@ -475,14 +475,18 @@ class Statements:
         in as literals."""
         parts = []
         if timeout_s:
-            parts.append("pg_catalog.set_config('statement_timeout', '%d', true)"
-                         % max(1, round(timeout_s * 1000)))
+            # the session's own statement_timeout where it is shorter
+            parts.append("pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0'"
+                         " OR s.st::pg_catalog.interval > '{0}ms'::pg_catalog.interval"
+                         " THEN '{0}ms' ELSE s.st END, true)"
+                         .format(max(1, round(timeout_s * 1000))))
         if offset_s:
             parts.append("pg_catalog.set_config('idem.clock_offset', '%d ms', true)"
                          % round(offset_s * 1000))
         if not parts:
             return None
-        sets = "SELECT " + ", ".join(parts)
+        sets = ("SELECT " + ", ".join(parts) + " FROM (SELECT"
+                " pg_catalog.current_setting('statement_timeout') AS st) s")
         return "BEGIN; " + sets if begin else sets
 
 
