@@ -7,7 +7,6 @@ import (
 	"math"
 	"time"
 
-	"github.com/jackc/pgconn"
 	"github.com/jackc/pgx/v4"
 	"github.com/jackc/pgx/v4/pgxpool"
 )
@@ -283,71 +282,12 @@ func batched(tx pgx.Tx, pre []stmt) bool {
 	return len(pre) > 0 && !tx.Conn().Config().PreferSimpleProtocol
 }
 
-// sendAfter sends the statements pre and then sql with args on tx as one
-// batch, one round trip once the connection has prepared them, and reads
-// the results of pre.  The batch's next result is sql's; the caller closes
-// the batch.
-func sendAfter(ctx context.Context, tx pgx.Tx, pre []stmt, sql string, args []interface{}) (pgx.BatchResults, error) {
-	b := &pgx.Batch{}
-	for _, st := range pre {
-		b.Queue(st.sql, st.args...)
-	}
-	b.Queue(sql, args...)
-	br := tx.SendBatch(ctx, b)
-	for _, st := range pre {
-		var err error
-		if st.dest != nil {
-			err = br.QueryRow().Scan(st.dest...)
-		} else {
-			_, err = br.Exec()
-		}
-		if err != nil {
-			br.Close()
-			return nil, err
-		}
-	}
-	return br, nil
-}
-
-// claimAfter runs the statements pre and then idem_begin on tx, in one
-// batch where batched allows.  An error of pre is returned as it is, the
-// claim's with the missing function named.
-func (s *PostgresStore) claimAfter(ctx context.Context, tx pgx.Tx, pre []stmt, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
-	if !batched(tx, pre) {
-		for _, st := range pre {
-			if err := st.run(ctx, tx); err != nil {
-				return Record{}, false, err
-			}
-		}
-		return s.beginRow(ctx, tx, key, fingerprint, lease, retention, wait)
-	}
-	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
-	br, err := sendAfter(ctx, tx, pre, sql, args)
-	if err != nil {
-		// The batch prepares its statements before it runs them: a claim
-		// whose function or schema is missing fails there, and the error
-		// comes with the first of pre, whose functions are pg_catalog's.
-		var pg *pgconn.PgError
-		if errors.As(err, &pg) && (pg.Code == "42883" || pg.Code == "3F000") {
-			return Record{}, false, s.mapError(err, fn)
-		}
-		return Record{}, false, err
-	}
-	defer br.Close()
-	rows, err := br.Query()
-	rec, claimed, err := s.scanBegin(rows, err, fingerprint, fn)
-	if err != nil {
-		return Record{}, false, err
-	}
-	if err := br.Close(); err != nil {
-		return Record{}, false, err
-	}
-	return rec, claimed, nil
-}
-
-// settled is a querier on a transaction whose first single-row statement
-// goes after the statements pre (the call's clock offset and timeouts),
-// in one batch with them where batched allows.
+// settled is a querier on a transaction whose first statement goes after
+// the statements pre (the call's clock offset and timeouts, or a claim's
+// saving of them), in one batch with them where batched allows: one round
+// trip once the connection has prepared them.  The batch prepares its
+// statements before it runs them, so an error of the statement itself (a
+// missing function) may come back with the first of pre.
 type settled struct {
 	tx  pgx.Tx
 	pre []stmt
@@ -369,6 +309,29 @@ func (r batchRow) Scan(dest ...interface{}) error {
 	return err
 }
 
+// batchRows are the rows of a batch's last statement; Close closes the
+// batch, whose error Err then reports.
+type batchRows struct {
+	pgx.Rows
+	br  pgx.BatchResults
+	err error
+}
+
+func (r *batchRows) Close() {
+	r.Rows.Close()
+	if r.br != nil {
+		r.err = r.br.Close()
+		r.br = nil
+	}
+}
+
+func (r *batchRows) Err() error {
+	if err := r.Rows.Err(); err != nil {
+		return err
+	}
+	return r.err
+}
+
 // settle runs what is left of pre one statement at a time.
 func (q *settled) settle(ctx context.Context) error {
 	pre := q.pre
@@ -381,15 +344,11 @@ func (q *settled) settle(ctx context.Context) error {
 	return nil
 }
 
-// QueryRow runs sql with args (the first may be the extended option, which
-// a batch does not take: a batch is always extended).
-func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row {
-	if !batched(q.tx, q.pre) {
-		if err := q.settle(ctx); err != nil {
-			return errRow{err}
-		}
-		return q.tx.QueryRow(ctx, sql, args...)
-	}
+// send queues what is left of pre and then sql with args (the first may be
+// the extended option, which a batch does not take: a batch is always
+// extended) in one batch, and reads the results of pre.  The batch's next
+// result is sql's; the caller closes the batch.
+func (q *settled) send(ctx context.Context, sql string, args []interface{}) (pgx.BatchResults, error) {
 	if len(args) > 0 {
 		if _, ok := args[0].(pgx.QuerySimpleProtocol); ok {
 			args = args[1:]
@@ -397,7 +356,35 @@ func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{})
 	}
 	pre := q.pre
 	q.pre = nil
-	br, err := sendAfter(ctx, q.tx, pre, sql, args)
+	b := &pgx.Batch{}
+	for _, st := range pre {
+		b.Queue(st.sql, st.args...)
+	}
+	b.Queue(sql, args...)
+	br := q.tx.SendBatch(ctx, b)
+	for _, st := range pre {
+		var err error
+		if st.dest != nil {
+			err = br.QueryRow().Scan(st.dest...)
+		} else {
+			_, err = br.Exec()
+		}
+		if err != nil {
+			br.Close()
+			return nil, err
+		}
+	}
+	return br, nil
+}
+
+func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row {
+	if !batched(q.tx, q.pre) {
+		if err := q.settle(ctx); err != nil {
+			return errRow{err}
+		}
+		return q.tx.QueryRow(ctx, sql, args...)
+	}
+	br, err := q.send(ctx, sql, args)
 	if err != nil {
 		return errRow{err}
 	}
@@ -405,10 +392,22 @@ func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{})
 }
 
 func (q *settled) Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error) {
-	if err := q.settle(ctx); err != nil {
+	if !batched(q.tx, q.pre) {
+		if err := q.settle(ctx); err != nil {
+			return nil, err
+		}
+		return q.tx.Query(ctx, sql, args...)
+	}
+	br, err := q.send(ctx, sql, args)
+	if err != nil {
 		return nil, err
 	}
-	return q.tx.Query(ctx, sql, args...)
+	rows, err := br.Query()
+	if err != nil {
+		br.Close()
+		return nil, err
+	}
+	return &batchRows{Rows: rows, br: br}, nil
 }
 
 // scanBegin makes the row of idem_begin a Record.
@@ -515,7 +514,7 @@ func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, 
 		return Record{}, false, err
 	}
 	defer rollback(tx)
-	rec, claimed, err = s.claimAfter(cctx, tx, s.locals(cctx, now), key, fingerprint, lease, retention, waitFor)
+	rec, claimed, err = s.beginRow(cctx, &settled{tx: tx, pre: s.locals(cctx, now)}, key, fingerprint, lease, retention, waitFor)
 	if err != nil {
 		return Record{}, false, err
 	}
@@ -709,7 +708,7 @@ func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint str
 		}
 		timeout := serverTimeout(cctx)
 		if timeout == "" {
-			return s.claimAfter(cctx, tx, pre, key, fingerprint, g.Lease, g.Retention, wait)
+			return s.beginRow(cctx, &settled{tx: tx, pre: pre}, key, fingerprint, g.Lease, g.Retention, wait)
 		}
 		// The claim's wait is bounded on the server too; the handler's
 		// statements then run under the transaction's own settings, saved
@@ -717,7 +716,7 @@ func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint str
 		var lockTimeout, statementTimeout string
 		pre = append(pre, stmt{sql: sqlSaveTimeouts, dest: []interface{}{&lockTimeout, &statementTimeout}},
 			stmt{sql: sqlTimeouts, args: []interface{}{timeout}})
-		rec, claimed, err := s.claimAfter(cctx, tx, pre, key, fingerprint, g.Lease, g.Retention, wait)
+		rec, claimed, err := s.beginRow(cctx, &settled{tx: tx, pre: pre}, key, fingerprint, g.Lease, g.Retention, wait)
 		if err != nil || !claimed {
 			return rec, claimed, err
 		}
