@@ -1453,21 +1453,30 @@ test_session_timeout(void)
 }
 
 /*
- * Messages of kind name the connection sent while traced into trace,
- * which is then closed.  Every request of the extended protocol ends in
- * one Sync, so Syncs count round trips.
+ * Run the guard once as run does, with conn traced, and return the Syncs
+ * it sent (-1 if the trace could not be kept).  Every request of the
+ * extended protocol ends in one Sync, so Syncs count round trips.
  */
 static int
-traced(FILE *trace, const char *name)
+run_counting_syncs(PGconn *conn, const IdemGuardOptions *opts,
+				   const char *key, Ctx *ctx, IdemResult *res)
 {
+	FILE	   *trace = tmpfile();
 	char		line[1024];
-	char		pattern[64];
 	int			n = 0;
 
-	snprintf(pattern, sizeof(pattern), "\t%s", name);
+	if (trace != NULL)
+	{
+		PQtrace(conn, trace);
+		PQsetTraceFlags(conn, PQTRACE_SUPPRESS_TIMESTAMPS);
+	}
+	run(conn, opts, key, "fp", ctx, res);
+	if (trace == NULL)
+		return -1;
+	PQuntrace(conn);
 	rewind(trace);
 	while (fgets(line, sizeof(line), trace) != NULL)
-		if (line[0] == 'F' && strstr(line, pattern) != NULL)
+		if (line[0] == 'F' && strstr(line, "\tSync") != NULL)
 			n++;
 	fclose(trace);
 	return n;
@@ -1485,18 +1494,13 @@ test_round_trips(PGconn *conn)
 	IdemGuardOptions opts;
 	IdemResult	res;
 	Ctx			ctx;
-	FILE	   *trace;
+	char		body[64];
 	int			syncs;
 
 	opts_init(&opts);
 	opts.timeout_ms = 60000;
 	ctx_init(&ctx);
-	trace = tmpfile();
-	PQtrace(conn, trace);
-	PQsetTraceFlags(conn, PQTRACE_SUPPRESS_TIMESTAMPS);
-	run(conn, &opts, "round-trips", "fp", &ctx, &res);
-	PQuntrace(conn);
-	syncs = traced(trace, "Sync");
+	syncs = run_counting_syncs(conn, &opts, "round-trips", &ctx, &res);
 	printf("round_trips_new: outcome=%s calls=%d syncs=%d state=%s idle=%s\n",
 		   idem_outcome_name(res.outcome), ctx.calls, syncs,
 		   key_state("round-trips"),
@@ -1504,15 +1508,10 @@ test_round_trips(PGconn *conn)
 		   PQpipelineStatus(conn) == PQ_PIPELINE_OFF ? "yes" : "no");
 	idem_result_clear(&res);
 
-	trace = tmpfile();
-	PQtrace(conn, trace);
-	PQsetTraceFlags(conn, PQTRACE_SUPPRESS_TIMESTAMPS);
-	run(conn, &opts, "round-trips", "fp", &ctx, &res);
-	PQuntrace(conn);
-	syncs = traced(trace, "Sync");
-	printf("round_trips_replay: outcome=%s calls=%d syncs=%d body=%.*s\n",
+	syncs = run_counting_syncs(conn, &opts, "round-trips", &ctx, &res);
+	printf("round_trips_replay: outcome=%s calls=%d syncs=%d body=%s\n",
 		   idem_outcome_name(res.outcome), ctx.calls, syncs,
-		   (int) res.resp.body_len, res.resp.body ? (const char *) res.resp.body : "");
+		   body_text(&res, body, sizeof(body)));
 	idem_result_clear(&res);
 }
 
