@@ -12,7 +12,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-
 from .errors import CheckpointUnreadable, InjectedFault, InvalidArgument, Unavailable
 
 Seconds = Union[float, int, _dt.timedelta, None]

@@ -169,13 +169,13 @@ class AsyncGuard:
                               "a claim made there would not commit on its own")
         timeout = self.timeout + extra if self.timeout else None
         try:
-            # Results in binary, as in Guard._exec.
             opening = Statements.opening(conn.autocommit, timeout, offset_s)
             if opening is not None:
                 # BEGIN and the SET LOCALs in one message (simple protocol)
                 await conn.execute(opening)
             # else the statement runs alone: on an autocommit connection it
-            # is its own transaction, otherwise psycopg begins one
+            # is its own transaction, otherwise psycopg begins one.
+            # Results in binary, as in Guard._exec.
             async with conn.cursor(binary=True) as cur:
                 if timeout:
                     # the server ends the wait at timeout; this is the backstop

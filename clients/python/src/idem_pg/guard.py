@@ -8,10 +8,11 @@ each call runs under ``SET LOCAL statement_timeout``, sent with its BEGIN
 in one message, and, as a backstop, a cancel request is sent if the
 server has not answered shortly after (one watchdog thread for every
 call), so a wait given up on the client is given up on the server too.
-Without a timeout, on an autocommit connection, the statement runs alone.  A begin with
-``wait_for`` gets wait_for on top of ``timeout``: the server ends its wait
-for the holder's answer at wait_for, the call's statement_timeout at
-wait_for + timeout, and the client's cancel a little after that.
+Without a timeout, on an autocommit connection, the statement runs alone.
+A begin with ``wait_for`` gets wait_for on top of ``timeout``: the server
+ends its wait for the holder's answer at wait_for, the call's
+statement_timeout at wait_for + timeout, and the client's cancel a little
+after that.
 """
 
 from __future__ import annotations
@@ -59,10 +60,11 @@ class _Watchdog:
     their deadline, the backstop to their statement_timeout: one thread
     for every guard of the process, where a timer thread per call cost
     about 130 µs to start and stop.  A call arms it before its statement
-    and disarms it after; the thread wakes at most every SLACK seconds
-    and starts a thread of its own for each cancel it sends, so that a
-    cancel that blocks (a server or proxy holding the request) delays no
-    other."""
+    and disarms it after.  The thread sleeps until the earliest deadline
+    plus SLACK, so that cancels falling due together go out in one wake,
+    drops disarmed entries as they reach the front, and starts a thread
+    of its own for each cancel it sends, so that a cancel that blocks (a
+    server or proxy holding the request) delays no other."""
 
     SLACK = 0.05
 
