@@ -1515,6 +1515,43 @@ test_round_trips(PGconn *conn)
 	idem_result_clear(&res);
 }
 
+/*
+ * The statement before the call fails (idem.clock_offset is for
+ * superusers): the call is skipped in the pipeline, the claim is not made,
+ * the handler does not run, and the connection is left usable, outside a
+ * transaction and out of pipeline mode.
+ */
+static void
+test_settings_refused(void)
+{
+	char	   *plain_info = conninfo_with("user=guard_plain");
+	PGconn	   *conn;
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx;
+	char	   *one;
+
+	PQclear(query(admin, "DROP ROLE IF EXISTS guard_plain", 0, NULL));
+	PQclear(query(admin, "CREATE ROLE guard_plain LOGIN", 0, NULL));
+	conn = connect_or_die(plain_info);
+	opts_init(&opts);
+	opts.timeout_ms = 60000;
+	opts.clock_offset_s = 30;
+	ctx_init(&ctx);
+	run(conn, &opts, "settings-refused", "fp", &ctx, &res);
+	one = query_value(conn, "SELECT 1", 0, NULL);
+	printf("settings_refused: outcome=%s failed=%s sqlstate=%s calls=%d state=%s idle=%s next=%s\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls, key_state("settings-refused"),
+		   PQtransactionStatus(conn) == PQTRANS_IDLE &&
+		   PQpipelineStatus(conn) == PQ_PIPELINE_OFF ? "yes" : "no", one);
+	free(one);
+	idem_result_clear(&res);
+	PQfinish(conn);
+	PQclear(query(admin, "DROP ROLE guard_plain", 0, NULL));
+	free(plain_info);
+}
+
 /* The lock test's watcher: what it needs and what it found. */
 typedef struct LockWatch
 {
@@ -1829,6 +1866,7 @@ main(int argc, char **argv)
 	test_cancel_held();
 	test_session_timeout();
 	test_round_trips(conn);
+	test_settings_refused();
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 	test_wait_for(conn);

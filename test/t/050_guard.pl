@@ -148,6 +148,10 @@ my @expected = (
 	# timeouts go in one pipeline with it, no BEGIN or COMMIT of its own.
 	[ round_trips_new => 'outcome=EXECUTED calls=1 syncs=2 state=DONE idle=yes' ],
 	[ round_trips_replay => 'outcome=REPLAYED calls=1 syncs=1 body=created' ],
+	# The statement setting the clock offset (superuser only) fails for a
+	# plain role: the call after it in the pipeline is skipped, nothing is
+	# claimed, and the connection is usable at once.
+	[ settings_refused => 'outcome=UNAVAILABLE failed=begin sqlstate=42501 calls=0 state=NONE idle=yes next=1' ],
 	# Stopping the heartbeat does not wait for its idem_extend, which waits
 	# for the key's row, held FOR UPDATE by another session for up to 30 s:
 	# the extend is cancelled, the guard goes on to complete, and the
