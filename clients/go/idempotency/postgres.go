@@ -255,7 +255,7 @@ func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprin
 	return s.scanBegin(rows, err, fingerprint, fn)
 }
 
-// stmt is a statement that prepares a transaction for a claim: its SQL,
+// stmt is a statement that prepares a transaction for a call: its SQL,
 // its arguments and where its row is scanned (nil: the row is dropped).
 type stmt struct {
 	sql  string
