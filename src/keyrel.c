@@ -125,7 +125,7 @@ typedef struct KeyShape
 {
 	Oid			relid;			/* hash key of shard_shapes */
 	int			nindexes;		/* all indexes; the primary key first */
-	KeyIndex	indexes[IDEM_MAX_INDEXES];
+	KeyIndex	indexes[IDEM_MAX_SHAPE_INDEXES];
 } KeyShape;
 
 /* Memory of the shape checks; reset when the shape is checked anew. */
@@ -317,12 +317,29 @@ is_key_index(Relation index, bool *key_first)
 }
 
 /*
+ * Too many copies of the primary key, left by cancelled REINDEX
+ * CONCURRENTLY: say so, and how to drop them.  55000, as refuse_shape.
+ */
+#define refuse_copies(what, n, limit, pkid) \
+	ereport(ERROR, \
+			(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE), \
+			 errmsg("idem cannot use table idem.keys: it has %d copies of its primary key %s, more than the %d idem allows", \
+					(n), (what), (limit)), \
+			 errdetail("Each REINDEX CONCURRENTLY that is cancelled or fails leaves its copy behind, not valid, named like \"%s_ccnew\".", \
+					   get_rel_name(pkid)), \
+			 errhint("Drop the copies that are not valid with DROP INDEX CONCURRENTLY: they are SELECT indexrelid::regclass FROM pg_index WHERE indrelid = 'idem.keys'::regclass AND NOT indisvalid.")))
+
+/*
  * Check the indexes of idem.keys (or a shard of it) and note them in
  * *shape, the primary key first, with IndexInfos built in keytable_cxt.
  * Besides the primary key, only copies of it are accepted: REINDEX
  * CONCURRENTLY builds one beside it and leaves it behind, invalid, when it
  * is cancelled.  Copies ready for inserts are maintained as the executor
- * maintains every index; any other index would not be, and is refused.
+ * maintains every index, up to IDEM_MAX_INDEXES indexes in all; copies not
+ * yet ready are not maintained (nor by the executor) and do not count
+ * towards that, but are noted, so that their invalidation when they
+ * become ready is noticed.  Any other index would not be maintained, and
+ * is refused.
  */
 static void
 check_indexes(Relation rel, KeyShape *shape)
@@ -330,6 +347,8 @@ check_indexes(Relation rel, KeyShape *shape)
 	Oid			pkid = idem_primary_key_index(rel);
 	List	   *indexes;
 	ListCell   *lc;
+	int			ncopies;
+	int			nready = 0;
 	int			i;
 
 	if (!OidIsValid(pkid))
@@ -337,14 +356,13 @@ check_indexes(Relation rel, KeyShape *shape)
 	shape->nindexes = 1;
 	shape->indexes[0].relid = pkid;
 	indexes = RelationGetIndexList(rel);
+	ncopies = list_length(indexes) - 1;
+	if (ncopies >= IDEM_MAX_SHAPE_INDEXES)
+		refuse_copies("in all", ncopies, IDEM_MAX_SHAPE_INDEXES - 1, pkid);
 	foreach(lc, indexes)
 	{
-		if (lfirst_oid(lc) == pkid)
-			continue;
-		if (shape->nindexes == IDEM_MAX_INDEXES)
-			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
-								get_rel_name(lfirst_oid(lc))));
-		shape->indexes[shape->nindexes++].relid = lfirst_oid(lc);
+		if (lfirst_oid(lc) != pkid)
+			shape->indexes[shape->nindexes++].relid = lfirst_oid(lc);
 	}
 	list_free(indexes);
 
@@ -362,11 +380,15 @@ check_indexes(Relation rel, KeyShape *shape)
 			refuse_shape(errmsg("idem cannot use table idem.keys: it has index \"%s\", which idem does not maintain",
 								RelationGetRelationName(index)),
 						 errdetail("idem maintains only its primary key and copies of it, as REINDEX CONCURRENTLY builds them."));
+		if (i > 0 && index->rd_index->indisready)
+			nready++;
 		old = MemoryContextSwitchTo(keytable_cxt);
 		ki->info = BuildIndexInfo(index);
 		MemoryContextSwitchTo(old);
 		index_close(index, NoLock);
 	}
+	if (nready >= IDEM_MAX_INDEXES)
+		refuse_copies("ready for inserts", nready, IDEM_MAX_INDEXES - 1, pkid);
 }
 
 /*

@@ -53,11 +53,13 @@ typedef struct KeyRow
 } KeyRow;
 
 /*
- * Indexes a table of the right shape may have: the primary key and the
- * copies of it that REINDEX CONCURRENTLY builds (and leaves behind when it
- * is cancelled).
+ * Indexes a table of the right shape may have that are ready for inserts:
+ * the primary key and the copies of it that REINDEX CONCURRENTLY builds
+ * (and leaves behind when it is cancelled).  Copies not ready for inserts
+ * are not maintained; up to IDEM_MAX_SHAPE_INDEXES indexes in all.
  */
 #define IDEM_MAX_INDEXES	4
+#define IDEM_MAX_SHAPE_INDEXES	16
 
 /* An open idem.keys and its indexes, for one call. */
 typedef struct KeyTable

@@ -8,6 +8,10 @@
 # 2. A REINDEX CONCURRENTLY cancelled while it waits for a claiming
 #    transaction leaves an invalid copy behind: idem keeps serving with
 #    it, and again once it is dropped.
+# 3. Four such leftovers, not ready for inserts, are not maintained and
+#    do not count towards the copies idem maintains: idem keeps serving.
+#    More copies than idem can track are refused with an error that
+#    names the leftovers and DROP INDEX.
 use strict;
 use warnings;
 use IPC::Run;
@@ -88,6 +92,53 @@ is($node->safe_psql('postgres', q{
 	'DONE', 'and after it is dropped');
 is($node->safe_psql('postgres', q{SELECT bt_index_check('idem.keys_pkey', true)}),
 	'', 'the primary key has an entry for every row');
+
+# --- 3. Four cancelled REINDEX CONCURRENTLY.
+sub cancelled_reindex
+{
+	my $holder = $node->background_psql('postgres');
+	$holder->query_safe(q{BEGIN; SELECT claimed FROM idem_begin('held-4', 'f')});
+	my ($rc, $stdout, $stderr) = $node->psql('postgres', q{
+		SET statement_timeout = '300ms';
+		REINDEX INDEX CONCURRENTLY idem.keys_pkey;
+	});
+	$holder->query_safe('ROLLBACK');
+	$holder->quit;
+	return $stderr;
+}
+like(cancelled_reindex(), qr/canceling statement due to statement timeout/,
+	"REINDEX CONCURRENTLY cancelled ($_)") for 1 .. 4;
+is($node->safe_psql('postgres', q{
+	SELECT count(*) || ' ' || bool_or(indisready) || ' ' || bool_or(indisvalid)
+	  FROM pg_index WHERE indrelid = 'idem.keys'::regclass AND indexrelid <> 'idem.keys_pkey'::regclass}),
+	'4 false false', 'four copies left behind, none ready for inserts nor valid');
+is($node->safe_psql('postgres', q{
+	SELECT b.claimed::text || ',' || c.state
+	  FROM idem_begin('after-4', 'f') b,
+	       LATERAL (SELECT idem_complete('after-4', 'f', 200, 'x', b.token)) x,
+	       LATERAL idem_begin('after-4', 'f') c}),
+	'true,DONE', 'idem claims, completes and replays beside four leftovers');
+
+# 16 copies in all are more than idem tracks: a clear error naming the fix.
+like(cancelled_reindex(), qr/canceling statement/, "REINDEX CONCURRENTLY cancelled ($_)")
+	for 5 .. 16;
+($rc, $stdout, $stderr) = $node->psql('postgres', q{
+	SELECT state FROM idem_begin('after-16', 'f')});
+like($stderr, qr/it has 16 copies of its primary key in all, more than the 15 idem allows/,
+	'16 leftovers: the error names the copies');
+like($stderr, qr/HINT:  Drop the copies that are not valid with DROP INDEX CONCURRENTLY/,
+	'and the fix');
+is($node->safe_psql('postgres', q{SELECT count(*) FROM idem.keys WHERE key = 'after-4' AND status = 200}),
+	'1', 'nothing stored was lost');
+$node->safe_psql('postgres', q{
+	DO $$DECLARE i regclass;
+	BEGIN
+		FOR i IN SELECT indexrelid::regclass FROM pg_index
+				  WHERE indrelid = 'idem.keys'::regclass AND NOT indisvalid
+		LOOP EXECUTE 'DROP INDEX ' || i; END LOOP;
+	END$$});
+is($node->safe_psql('postgres', q{SELECT state FROM idem_begin('after-4', 'f')}),
+	'DONE', 'the leftovers dropped, idem serves again');
 
 $node->stop;
 done_testing();
