@@ -995,6 +995,15 @@ write_held_row(const HeldCall *hc, KeyValues *kv)
 	memset(kv, 0, sizeof(KeyValues));
 	idem_keytable_open(&kt, hc->what, hc->scope, hc->key,
 					   idem_keytable_write_lockmode());
+	/* A table without the recovery point's columns would drop it. */
+	if (hc->op == HELD_CHECKPOINT &&
+		RelationGetDescr(kt.rel)->natts < Anum_keys_phase_data)
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem_checkpoint() cannot store a recovery point in table \"%s\": it has the layout of idem 1.3 or earlier",
+						RelationGetRelationName(kt.rel)),
+				 errdetail("The table has no phase and phase_data columns, which the update to 1.4 adds."),
+				 errhint("Run ALTER EXTENSION idem UPDATE; under Citus, on the coordinator, so that every shard is updated.")));
 	for (round = 0;; round++)
 	{
 		KeyWrite	result;

@@ -291,6 +291,13 @@ REVOKE ALL ON FUNCTION
   FROM regress_idem_gone;
 DROP ROLE regress_idem_gone;
 SELECT rows_digest() AS rows13 \gset
+-- A checkpoint that reaches a table still in the 1.3 layout (a Citus shard
+-- the update left unaltered) would store nothing: it is refused, naming
+-- the update, and the key is left as it was.
+CREATE FUNCTION pg_temp.checkpoint_13(text, bigint, text, bytea, text) RETURNS void
+  AS 'idem', 'idem_checkpoint' LANGUAGE C;
+SELECT pg_temp.checkpoint_13('u-unbound', :tok_unbound, 'reserved', 'x', '');
+SELECT rows_digest() = :'rows13' AS checkpoint_wrote_nothing;
 ALTER EXTENSION idem UPDATE TO '1.4';
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 SELECT rows_digest() = :'rows13' AS rows_unchanged;
