@@ -12,6 +12,7 @@
 
 #include "citus.h"
 #include "compat.h"
+#include "expiry.h"
 #include "keytable.h"
 #include "purge.h"
 #include "settings.h"
@@ -37,6 +38,7 @@ _PG_init(void)
 		return;
 
 	idem_stats_shmem_init();
+	idem_expiry_shmem_init();
 	idem_purge_install_hooks();
 	idem_keytable_cache_enable();
 	idem_waits_shmem_init();

@@ -56,7 +56,7 @@
 #include "args.h"
 #include "citus.h"
 #include "keyrel.h"
-#include "stats.h"
+#include "expiry.h"
 #include "waits.h"
 
 /* Error context of a wait for another transaction. */
@@ -574,8 +574,8 @@ idem_keytable_insert(KeyTable *kt, KeyValues *kv)
 	HeapTupleHeaderSetSpeculativeToken(tuple->t_data, spec_token);
 	heap_insert(kt->rel, tuple, GetCurrentCommandId(true),
 				HEAP_INSERT_SPECULATIVE, NULL);
-	idem_stats_expiry_note(kv->expires_at,
-						   ItemPointerGetBlockNumber(&tuple->t_self));
+	idem_expiry_note(kv->expires_at,
+					 ItemPointerGetBlockNumber(&tuple->t_self));
 	unique = insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_PARTIAL);
 	if (unique)
 		heap_finish_speculative(kt->rel, &tuple->t_self);
@@ -601,6 +601,9 @@ idem_keytable_insert(KeyTable *kt, KeyValues *kv)
 								 GetCurrentCommandId(true), true, &tmfd,
 								 &index_new_version) != TM_Ok)
 				elog(ERROR, "could not give idempotency key a new token");
+			/* The new version may be on another page: note it there too. */
+			idem_expiry_note(kv->expires_at,
+							 ItemPointerGetBlockNumber(&newtuple->t_self));
 			if (index_new_version)
 				insert_index_entries(kt, &newtuple->t_self, UNIQUE_CHECK_YES);
 			heap_freetuple(newtuple);
@@ -778,8 +781,8 @@ idem_keytable_update(KeyTable *kt, KeyRow *row, KeyValues *kv, bool wait)
 							  &index_new_version);
 	error_context_stack = errcb.previous;
 	if (result == TM_Ok)
-		idem_stats_expiry_note(kv->expires_at,
-							   ItemPointerGetBlockNumber(&tuple->t_self));
+		idem_expiry_note(kv->expires_at,
+						 ItemPointerGetBlockNumber(&tuple->t_self));
 	if (index_new_version)
 		insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
 	heap_freetuple(tuple);
@@ -1038,26 +1041,31 @@ idem_keytable_nblocks(KeyTable *kt)
 	return RelationGetNumberOfBlocks(kt->rel);
 }
 
-/*
- * The shard whose rows *cursor points into, when Citus distributes
- * idem.keys: purge walks this node's shards in shard id order, and the
- * cursor (0,0) starts over at the first.
- */
-static int64 purge_shardid = 0;
+/* The file of the open table: a rewrite gives it another. */
+Oid
+idem_keytable_relfilenode(KeyTable *kt)
+{
+#if PG_VERSION_NUM >= 160000
+	return kt->rel->rd_locator.relNumber;
+#else
+	return kt->rel->rd_node.relNode;
+#endif
+}
 
 /*
  * Delete up to limit rows that expired at or before now, walking the table
- * in physical order from *cursor, which is moved past the last row looked
- * at, and reading at most IDEM_PURGE_BATCH_PAGES pages (over all the
- * shards it walks, if Citus distributes the table).  *at_end is set if the
- * scan reached the end of the table (of the last shard placed on this
- * node, if Citus distributes it).  ranges says which blocks to read and
- * gets the least expiry left in each range read (see purge_relation); if
- * Citus distributes the table, every block of every shard is read and
- * ranges is marked unknown.
+ * in physical order from pos, which is moved past the last row looked at,
+ * and reading at most IDEM_PURGE_BATCH_PAGES pages (over all the shards it
+ * walks, if Citus distributes the table).  *at_end is set if the scan
+ * reached the end of the table (of the last shard placed on this node, if
+ * Citus distributes it).  ranges says which blocks to read and gets the
+ * least expiry left in each range read (see purge_relation); if the table
+ * no longer has the file ranges describes (it was rewritten since the
+ * walk started), or Citus distributes the table, every block of every
+ * shard is read and ranges is marked unknown.
  */
 int64
-idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
+idem_keytable_purge_batch(TimestampTz now, int limit, IdemPurgePosition *pos,
 						  bool *at_end, IdemPurgeRanges *ranges)
 {
 	KeyTable	kt;
@@ -1070,7 +1078,15 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 					   idem_keytable_write_lockmode());
 	if (likely(!idem_keyrel_distributed()))
 	{
-		n = purge_relation(&kt, now, limit, cursor, &pages, at_end, ranges);
+		if (OidIsValid(ranges->relfilenode) &&
+			ranges->relfilenode != idem_keytable_relfilenode(&kt))
+		{
+			/* Rewritten: the map and the position are of another file. */
+			ranges->read_all = true;
+			ranges->unknown = true;
+		}
+		n = purge_relation(&kt, now, limit, &pos->cursor, &pages, at_end,
+						   ranges);
 		idem_keytable_close(&kt);
 		return n;
 	}
@@ -1080,9 +1096,9 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 	 * Their blocks share the ranges, so every block is read.
 	 */
 	ranges->read_all = true;
-	if (ItemPointerGetBlockNumberNoCheck(cursor) == 0 &&
-		ItemPointerGetOffsetNumberNoCheck(cursor) == 0)
-		purge_shardid = 0;
+	if (ItemPointerGetBlockNumberNoCheck(&pos->cursor) == 0 &&
+		ItemPointerGetOffsetNumberNoCheck(&pos->cursor) == 0)
+		pos->shardid = 0;
 	shards = idem_keyrel_local_shards(&kt);
 	*at_end = true;
 	foreach(lc, shards)
@@ -1090,16 +1106,16 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		IdemShard  *shard = lfirst(lc);
 		bool		shard_at_end;
 
-		if (shard->shardid < purge_shardid)
+		if (shard->shardid < pos->shardid)
 			continue;
-		if (shard->shardid > purge_shardid)
+		if (shard->shardid > pos->shardid)
 		{
-			ItemPointerSet(cursor, 0, 0);
-			purge_shardid = shard->shardid;
+			ItemPointerSet(&pos->cursor, 0, 0);
+			pos->shardid = shard->shardid;
 		}
 		idem_keyrel_switch_shard(&kt, shard->relid);
-		n += purge_relation(&kt, now, limit - n, cursor, &pages, &shard_at_end,
-							ranges);
+		n += purge_relation(&kt, now, limit - n, &pos->cursor, &pages,
+							&shard_at_end, ranges);
 		if (!shard_at_end || n >= limit || pages == 0)
 		{
 			*at_end = false;
@@ -1107,7 +1123,7 @@ idem_keytable_purge_batch(TimestampTz now, int limit, ItemPointer cursor,
 		}
 	}
 	if (*at_end)
-		purge_shardid = 0;
+		pos->shardid = 0;
 	/* Shards moved here bring rows whose expiry no write noted. */
 	ranges->unknown = true;
 	idem_keytable_close(&kt);

@@ -18,8 +18,8 @@
 #include "storage/itemptr.h"
 #include "utils/rel.h"
 
+#include "expiry.h"
 #include "idem.h"
-#include "stats.h"
 
 /*
  * The role that made a claim, as idem.keys stores it: by name from 1.4 on
@@ -163,8 +163,9 @@ extern void idem_keytable_current_claimant(KeyClaimant *claimant);
 extern Oid	idem_keytable_claimant_role(KeyClaimant *claimant);
 extern char *idem_keytable_claimant_text(KeyClaimant *claimant);
 extern BlockNumber idem_keytable_nblocks(KeyTable *kt);
+extern Oid	idem_keytable_relfilenode(KeyTable *kt);
 extern int64 idem_keytable_purge_batch(TimestampTz now, int limit,
-										ItemPointer cursor, bool *at_end,
+										IdemPurgePosition *pos, bool *at_end,
 										IdemPurgeRanges *ranges);
 
 #endif							/* IDEM_KEYTABLE_H */

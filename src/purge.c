@@ -6,36 +6,46 @@
  *
  * Purge walks the table in physical order: each batch takes up to
  * idem.purge_batch_size expired rows, reading at most
- * IDEM_PURGE_BATCH_PAGES pages, from where the previous batch of this
- * backend stopped (a TID range scan), so a pass reads the table once and
- * needs no index on expires_at, which would make every complete a non-HOT
- * update.  A row is deleted only if the version the scan found expired is
- * still the latest and nobody holds it: the delete does not wait, so a
- * purge never waits for a transaction that is re-claiming a key and never
+ * IDEM_PURGE_BATCH_PAGES pages, from where the previous batch of the walk
+ * stopped (a TID range scan), so a pass reads the table once and needs no
+ * index on expires_at, which would make every complete a non-HOT update.
+ * A row is deleted only if the version the scan found expired is still
+ * the latest and nobody holds it: the delete does not wait, so a purge
+ * never waits for a transaction that is re-claiming a key and never
  * deletes a key changed since its snapshot (the row is left for a later
  * pass).
  *
- * The background worker skips a pass when nothing can have expired yet: it
- * keeps, per database in shared memory, a watermark below every key's
- * expiry (stats.c).  Each write of a key lowers it to the key's expiry;
- * a pass of the worker that read the whole table and committed its
- * deletions raises it to the least expiry of the versions it left (live,
+ * The background worker's pass goes on across batches and visits: its
+ * position is kept in shared memory after each committed batch
+ * (expiry.c), so a visit that ends at its deadline (idem.purge_rate_limit)
+ * is taken up where it stopped by the next one, and every pass reaches
+ * the end of the table.  A server restart, or a rewrite of the table,
+ * starts the pass over.
+ *
+ * The worker skips a pass when nothing can have expired yet: it keeps,
+ * per database in shared memory, a watermark below every key's expiry
+ * (expiry.c).  Each write of a key lowers it to the key's expiry; a pass
+ * of the worker that read the whole table and committed its deletions
+ * raises it to the least expiry of the versions it left (live,
  * uncommitted or skipped), or of keys written while it ran, whichever is
  * less.  So a pass is skipped, without reading the table, while the
  * watermark is in the future (it still opens the table, so that a table
- * idem cannot use is reported every pass).  An INSERT, UPDATE or MERGE into the table
- * and COPY into it make the watermark unknown when they end, so the next
- * pass reads the table.  Rows that reach the table otherwise (logical
- * replication, a Citus shard move) do not: a pass reads the table at least
- * every IDEM_PURGE_FULL_PASS_SECS anyway, after a restart, and always when
- * Citus distributes the table.  idem_purge() always reads the table.
+ * idem cannot use is reported every pass).  An INSERT, UPDATE or MERGE
+ * into the table and COPY into it make the watermark unknown when they
+ * end, so the next pass reads the table; a rewrite of the table (VACUUM
+ * FULL, CLUSTER, ALTER TABLE, pg_repack, TRUNCATE) gives it another file,
+ * which makes the watermark unknown too.  Rows that reach the table
+ * otherwise (logical replication, a Citus shard move) do not: a pass reads
+ * the whole table at least every IDEM_PURGE_FULL_PASS_SECS anyway (by the
+ * server's clock, whatever idem.clock_offset says), after a restart, and
+ * always when Citus distributes the table.  idem_purge() always reads the
+ * table, in a walk of its own.
  *
  *-------------------------------------------------------------------------
  */
 #include "postgres.h"
 
 #include "catalog/namespace.h"
-#include "commands/defrem.h"
 #include "executor/executor.h"
 #include "fmgr.h"
 #include "nodes/parsenodes.h"
@@ -45,6 +55,7 @@
 #include "utils/lsyscache.h"
 #include "utils/timestamp.h"
 
+#include "expiry.h"
 #include "keytable.h"
 #include "purge.h"
 #include "settings.h"
@@ -52,50 +63,58 @@
 
 PG_FUNCTION_INFO_V1(idem_purge);
 
-/* Where this backend's next batch starts; (0,0) is before every row. */
-static ItemPointerData purge_cursor = {{0, 0}, 0};
+/* The background worker's pass (see idem_purge_pass_start). */
+static IdemPurgePass worker_pass;
 
 /*
- * What this backend's pass reads, and the least expiry it left so far in
- * each range (purge_relation).  idem_purge() reads every block.
+ * idem_purge()'s walk in this session: every block, going on from where
+ * the previous call stopped.
  */
-static IdemPurgeRanges pass_ranges = {.read_all = true};
-
-/* This backend's pass, as numbered by idem_stats_expiry_pass_start. */
-static uint32 pass_number = 0;
+static IdemPurgePass session_walk = {.ranges.read_all = true};
 
 /*
  * Delete up to limit keys that expired at or before now, walking on from
- * the previous batch; a batch that reaches the end of the table ends the
- * pass (*pass_done) and the next one starts over.  Returns the number of
- * rows deleted.
+ * where the previous batch of the walk stopped; a batch that reaches the
+ * end of the table ends the walk (*pass_done) and the next one starts
+ * over.  Returns the number of rows deleted.
  */
-int64
-idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
+static int64
+purge_walk(IdemPurgePass *walk, TimestampTz now, int limit, bool *pass_done)
 {
 	bool		at_end;
 	int64		n;
 
-	n = idem_keytable_purge_batch(now, limit, &purge_cursor, &at_end,
-								  &pass_ranges);
+	n = idem_keytable_purge_batch(now, limit, &walk->pos, &at_end,
+								  &walk->ranges);
 	if (at_end)
-		ItemPointerSet(&purge_cursor, 0, 0);
+	{
+		ItemPointerSet(&walk->pos.cursor, 0, 0);
+		walk->pos.shardid = 0;
+	}
 	*pass_done = at_end;
 	idem_stats_add(IDEM_STAT_PURGED_ROWS, n);
 	return n;
 }
 
+/* One batch of the background worker's pass; see purge_walk. */
+int64
+idem_purge_batch(TimestampTz now, int limit, bool *pass_done)
+{
+	return purge_walk(&worker_pass, now, limit, pass_done);
+}
+
 /*
- * Start a pass of the background worker over the current database's table,
- * in its first batch's transaction.  Returns false, and starts nothing, if
- * the watermark says no key can have expired at or before now.
+ * Start or go on with a pass of the background worker over the current
+ * database's table, in its first batch's transaction of a visit.  Returns
+ * false, and starts nothing, if no pass is under way and the watermark
+ * says no key can have expired at or before now.
  */
 bool
 idem_purge_pass_start(TimestampTz now)
 {
-	TimestampTz max_age = IDEM_PURGE_FULL_PASS_SECS * USECS_PER_SEC;
 	KeyTable	kt;
 	BlockNumber nblocks;
+	Oid			relfilenode;
 
 	/*
 	 * Open the table with the lock a pass takes also when the pass ends
@@ -105,13 +124,19 @@ idem_purge_pass_start(TimestampTz now)
 	idem_keytable_open(&kt, "idem_purge()", NULL, NULL,
 					   idem_keytable_write_lockmode());
 	nblocks = idem_keytable_nblocks(&kt);
+	relfilenode = idem_keytable_relfilenode(&kt);
 	idem_keytable_close(&kt);
-	if (idem_stats_expiry_after(now, max_age))
-		return false;
-	ItemPointerSet(&purge_cursor, 0, 0);
-	pass_number = idem_stats_expiry_pass_start(now, max_age, nblocks,
-											   &pass_ranges);
-	return true;
+	return idem_expiry_pass_begin(now, relfilenode, nblocks, &worker_pass);
+}
+
+/*
+ * A batch of the worker's pass committed without ending the pass: keep
+ * where it goes on, for the next batch or visit.
+ */
+void
+idem_purge_pass_save(void)
+{
+	idem_expiry_pass_save(&worker_pass);
 }
 
 /*
@@ -121,8 +146,7 @@ idem_purge_pass_start(TimestampTz now)
 void
 idem_purge_pass_end(void)
 {
-	idem_stats_expiry_pass_end(pass_number, &pass_ranges);
-	pass_ranges.read_all = true;
+	idem_expiry_pass_end(&worker_pass);
 }
 
 /*
@@ -146,19 +170,22 @@ idem_purge(PG_FUNCTION_ARGS)
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
 				 errmsg("max_rows must not be negative")));
 
-	pass_ranges.read_all = true;
 	if (PG_ARGISNULL(0))
-		ItemPointerSet(&purge_cursor, 0, 0);
+	{
+		ItemPointerSet(&session_walk.pos.cursor, 0, 0);
+		session_walk.pos.shardid = 0;
+	}
 	/* Started mid-table: the end of the table starts one more lap. */
-	laps = (ItemPointerGetBlockNumberNoCheck(&purge_cursor) == 0 &&
-			ItemPointerGetOffsetNumberNoCheck(&purge_cursor) == 0) ? 1 : 2;
+	laps = (ItemPointerGetBlockNumberNoCheck(&session_walk.pos.cursor) == 0 &&
+			ItemPointerGetOffsetNumberNoCheck(&session_walk.pos.cursor) == 0 &&
+			session_walk.pos.shardid == 0) ? 1 : 2;
 	while (total < max_rows)
 	{
 		int			limit = (int) Min((int64) idem_purge_batch_size,
 									  max_rows - total);
 		bool		pass_done;
 
-		total += idem_purge_batch(now, limit, &pass_done);
+		total += purge_walk(&session_walk, now, limit, &pass_done);
 		if (pass_done && --laps == 0)
 			break;
 	}
@@ -204,7 +231,7 @@ purge_ExecutorEnd(QueryDesc *queryDesc)
 			if (OidIsValid(keys) &&
 				rt_fetch(lfirst_int(lc), stmt->rtable)->relid == keys)
 			{
-				idem_stats_expiry_forget();
+				idem_expiry_forget();
 				break;
 			}
 		}
@@ -212,55 +239,10 @@ purge_ExecutorEnd(QueryDesc *queryDesc)
 }
 
 /*
- * Whether a utility statement rewrites idem.keys, moving rows to other
- * blocks without idem noting their expiry there: VACUUM FULL or CLUSTER
- * of the table or of every table.
- */
-static bool
-rewrites_keys(Node *parsetree)
-{
-	Oid			keys;
-	VacuumStmt *vacuum;
-	bool		full = false;
-	ListCell   *lc;
-
-	if (!IsA(parsetree, ClusterStmt) && !IsA(parsetree, VacuumStmt))
-		return false;
-	if (!OidIsValid(keys = keys_relid()))
-		return false;
-	if (IsA(parsetree, ClusterStmt))
-	{
-		RangeVar   *rv = ((ClusterStmt *) parsetree)->relation;
-
-		return rv == NULL || RangeVarGetRelid(rv, NoLock, true) == keys;
-	}
-	vacuum = (VacuumStmt *) parsetree;
-	if (!vacuum->is_vacuumcmd)
-		return false;
-	foreach(lc, vacuum->options)
-	{
-		DefElem    *opt = lfirst_node(DefElem, lc);
-
-		if (strcmp(opt->defname, "full") == 0)
-			full = defGetBoolean(opt);
-	}
-	if (!full || vacuum->rels == NIL)
-		return full;
-	foreach(lc, vacuum->rels)
-	{
-		RangeVar   *rv = lfirst_node(VacuumRelation, lc)->relation;
-
-		if (rv != NULL && RangeVarGetRelid(rv, NoLock, true) == keys)
-			return true;
-	}
-	return false;
-}
-
-/*
  * Before a utility statement, drop the references to idem.keys the
  * transaction keeps (keyrel.c).  After COPY into idem.keys, make the
- * watermark unknown; after VACUUM FULL or CLUSTER, which move rows to
- * other blocks, make the ranges' unknown.
+ * watermark unknown.  (A rewrite of the table gives it another file, which
+ * the expiry map notices by itself.)
  */
 static void
 purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
@@ -279,16 +261,14 @@ purge_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
 		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context,
 								params, queryEnv, dest, qc);
 
-	if (rewrites_keys(parsetree))
-		idem_stats_expiry_forget();
-	else if (IsA(parsetree, CopyStmt) && ((CopyStmt *) parsetree)->is_from &&
+	if (IsA(parsetree, CopyStmt) && ((CopyStmt *) parsetree)->is_from &&
 		((CopyStmt *) parsetree)->relation != NULL)
 	{
 		Oid			relid = RangeVarGetRelid(((CopyStmt *) parsetree)->relation,
 											 NoLock, true);
 
 		if (OidIsValid(relid) && relid == keys_relid())
-			idem_stats_expiry_forget();
+			idem_expiry_forget();
 	}
 }
 

@@ -11,14 +11,9 @@
 
 #include "datatype/timestamp.h"
 
-/*
- * The background worker reads the whole table at least this often, also
- * when the watermark says nothing has expired (see purge.c).
- */
-#define IDEM_PURGE_FULL_PASS_SECS	3600
-
 extern int64 idem_purge_batch(TimestampTz now, int limit, bool *pass_done);
 extern bool idem_purge_pass_start(TimestampTz now);
+extern void idem_purge_pass_save(void);
 extern void idem_purge_pass_end(void);
 extern void idem_purge_install_hooks(void);
 

@@ -32,7 +32,6 @@
 #include "storage/ipc.h"
 #include "storage/lwlock.h"
 #include "storage/shmem.h"
-#include "storage/spin.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
 #include "utils/timestamp.h"
@@ -72,30 +71,6 @@ typedef struct IdemDbStats
 	TimestampTz last_purge;		/* 0: never; under lock */
 	TimestampTz stats_reset;	/* slot taken or counters reset; under lock */
 	char		last_error[IDEM_STATS_ERROR_LEN];	/* UTF-8; under lock */
-
-	/*
-	 * Purge's watermark (see purge.c), as expiry_key values: no key of the
-	 * database expires before min_expiry (0: not known).  Every write of a
-	 * key lowers pass_min and then min_expiry to its expiry; a purge pass
-	 * starts pass_min afresh and, at its end, sets min_expiry to the least
-	 * expiry it left plus pass_min, unless another pass started meanwhile.
-	 * Not kept across restarts: the first pass after one reads the table.
-	 */
-	pg_atomic_uint64 min_expiry;
-	pg_atomic_uint64 pass_min;
-	slock_t		pass_mutex;
-	uint32		pass_gen;		/* under pass_mutex */
-	TimestampTz expiry_known_at;	/* when min_expiry was set; under pass_mutex */
-
-	/*
-	 * The expiry map (stats.h): range_min[r] and range_pass_min[r] are to
-	 * the blocks of range r what min_expiry and pass_min are to the table.
-	 * range_shift is set by a pass that reads the whole table, before it
-	 * reads it.
-	 */
-	pg_atomic_uint32 range_shift;
-	pg_atomic_uint64 range_min[IDEM_PURGE_RANGES];
-	pg_atomic_uint64 range_pass_min[IDEM_PURGE_RANGES];
 } IdemDbStats;
 
 /* A slot as the stats file keeps it. */
@@ -150,47 +125,6 @@ stats_shmem_request(void)
 	RequestNamedLWLockTranche("idem", 1);
 }
 
-/*
- * A timestamp as an unsigned number of the same order, for the atomic
- * minimum of the watermark: DT_NOBEGIN is 0, DT_NOEND the greatest.
- */
-static inline uint64
-expiry_key(TimestampTz ts)
-{
-	return (uint64) ts ^ (UINT64CONST(1) << 63);
-}
-
-static inline TimestampTz
-expiry_of_key(uint64 key)
-{
-	return (TimestampTz) (key ^ (UINT64CONST(1) << 63));
-}
-
-/* Lower *v to key unless it is lower already. */
-static void
-atomic_lower(pg_atomic_uint64 *v, uint64 key)
-{
-	uint64		cur = pg_atomic_read_u64(v);
-
-	while (key < cur)
-	{
-		if (pg_atomic_compare_exchange_u64(v, &cur, key))
-			break;
-	}
-}
-
-/* Make a slot's watermark unknown, as a slot just taken has it. */
-static void
-expiry_forget(IdemDbStats *slot)
-{
-	SpinLockAcquire(&slot->pass_mutex);
-	slot->pass_gen++;
-	pg_atomic_write_u64(&slot->min_expiry, 0);
-	pg_atomic_write_u64(&slot->pass_min, 0);
-	slot->expiry_known_at = 0;
-	SpinLockRelease(&slot->pass_mutex);
-}
-
 /* Zero a slot's counters and purge record; the caller owns the slot. */
 static void
 slot_clear(IdemDbStats *slot)
@@ -232,15 +166,6 @@ stats_shmem_startup(void)
 			for (j = 0; j < IDEM_STAT_NUM; j++)
 				pg_atomic_init_u64(&stats->dbs[i].counters[j], 0);
 			pg_atomic_init_u64(&stats->dbs[i].start_failures, 0);
-			pg_atomic_init_u64(&stats->dbs[i].min_expiry, 0);
-			pg_atomic_init_u64(&stats->dbs[i].pass_min, 0);
-			SpinLockInit(&stats->dbs[i].pass_mutex);
-			pg_atomic_init_u32(&stats->dbs[i].range_shift, 0);
-			for (j = 0; j < IDEM_PURGE_RANGES; j++)
-			{
-				pg_atomic_init_u64(&stats->dbs[i].range_min[j], 0);
-				pg_atomic_init_u64(&stats->dbs[i].range_pass_min[j], 0);
-			}
 		}
 		stats_load();
 	}
@@ -424,7 +349,6 @@ find_or_take_slot(Oid dboid)
 	if (slot != NULL && pg_atomic_read_u32(&slot->dboid) != dboid)
 	{
 		slot->stats_reset = GetCurrentTimestamp();
-		expiry_forget(slot);
 		pg_atomic_write_u32(&slot->dboid, dboid);
 	}
 	LWLockRelease(stats->lock);
@@ -621,174 +545,16 @@ idem_stats_add(IdemStat stat, uint64 n)
 }
 
 /*
- * A key of the current database was written (inserted or updated) with
- * this expiry on block blkno: lower purge's watermark, and that of the
- * block's range, to it.  Called after the heap write, so that a pass
- * either reads the row or finds the expiry in pass_min and
- * range_pass_min.  A writer that reads the range size from before a pass
- * that reads the whole table changed it wrote its row before that pass
- * started, so the pass reads the row.  Costs five atomic reads when the
- * expiry is later than the watermarks, as almost every new expiry is.
+ * The number of the current database's slot, from 0 to
+ * IDEM_STATS_SLOTS - 1, or -1 if it has none: other per-database state
+ * (expiry.c) is kept beside the counters, at the same number.
  */
-void
-idem_stats_expiry_note(TimestampTz expires_at, uint32 blkno)
-{
-	uint64		key = expiry_key(expires_at);
-	IdemDbStats *slot = current_slot();
-	int			r;
-
-	if (slot == NULL)
-		return;
-	/* The row is on its page before the watermark is read (see above). */
-	pg_memory_barrier();
-	atomic_lower(&slot->pass_min, key);
-	atomic_lower(&slot->min_expiry, key);
-	r = idem_purge_range_of(pg_atomic_read_u32(&slot->range_shift), blkno);
-	atomic_lower(&slot->range_pass_min[r], key);
-	atomic_lower(&slot->range_min[r], key);
-}
-
-/*
- * Keys of the current database were written other than through idem's
- * functions (see purge.c): the watermark is not known until a pass has
- * read the table, and a pass under way does not set it.
- */
-void
-idem_stats_expiry_forget(void)
+int
+idem_stats_slot_index(void)
 {
 	IdemDbStats *slot = current_slot();
 
-	if (slot != NULL)
-		expiry_forget(slot);
-}
-
-/*
- * Whether no key of the current database expires at or before now,
- * according to a watermark set at most max_age ago by a pass that read
- * the whole table.
- */
-bool
-idem_stats_expiry_after(TimestampTz now, TimestampTz max_age)
-{
-	IdemDbStats *slot;
-	bool		after;
-
-	if ((slot = current_slot()) == NULL)
-		return false;
-	SpinLockAcquire(&slot->pass_mutex);
-	after = slot->expiry_known_at != 0 &&
-		now - slot->expiry_known_at < max_age &&
-		expiry_of_key(pg_atomic_read_u64(&slot->min_expiry)) > now;
-	SpinLockRelease(&slot->pass_mutex);
-	return after;
-}
-
-/*
- * A purge pass of the worker over the current database's table starts,
- * at now, on a table of nblocks blocks.  It reads the whole table
- * (ranges->read_all) if the watermark is not known or was set more than
- * max_age ago, and then sizes the ranges anew for nblocks; otherwise it
- * reads the ranges whose watermark is at or before now.  Fills in *ranges and returns the
- * number to give idem_stats_expiry_pass_end.
- *
- * A range's pass_min is started afresh after the pass is numbered and
- * before the pass reads the range: a write whose note it drops wrote its
- * row before that, and the pass reads it.
- */
-uint32
-idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
-							 uint32 nblocks, IdemPurgeRanges *ranges)
-{
-	IdemDbStats *slot;
-	uint32		gen;
-	uint32		shift;
-	bool		full;
-	int			r;
-
-	ranges->read_all = true;
-	ranges->unknown = false;
-	ranges->shift = 0;
-	for (r = 0; r < IDEM_PURGE_RANGES; r++)
-		ranges->least_left[r] = DT_NOEND;
-	if ((slot = current_slot()) == NULL)
-		return 0;
-
-	SpinLockAcquire(&slot->pass_mutex);
-	gen = ++slot->pass_gen;
-	pg_atomic_exchange_u64(&slot->pass_min, PG_UINT64_MAX);
-	full = slot->expiry_known_at == 0 || now - slot->expiry_known_at >= max_age;
-	SpinLockRelease(&slot->pass_mutex);
-
-	if (full)
-	{
-		/* Ranges for a table up to twice this size. */
-		for (shift = 0; shift < 22 &&
-			 ((uint64) nblocks * 2) >> shift > IDEM_PURGE_RANGES; shift++)
-			;
-		pg_atomic_write_u32(&slot->range_shift, shift);
-	}
-	else
-		shift = pg_atomic_read_u32(&slot->range_shift);
-	ranges->shift = shift;
-	ranges->read_all = full;
-	for (r = 0; r < IDEM_PURGE_RANGES; r++)
-	{
-		ranges->read[r] = full ||
-			expiry_of_key(pg_atomic_read_u64(&slot->range_min[r])) <= now;
-		if (ranges->read[r])
-			pg_atomic_write_u64(&slot->range_pass_min[r], PG_UINT64_MAX);
-	}
-	/* The resets are seen before the pass reads a page. */
-	pg_memory_barrier();
-	return gen;
-}
-
-/*
- * The pass that idem_stats_expiry_pass_start numbered gen read what it
- * was to read, committed its deletions, and left in each range it read no
- * key that expires before ranges->least_left.  Keys written since it
- * started are in the range's pass_min: set each range's watermark to the
- * lesser, then the table's to the least of the ranges', unless another
- * pass started meanwhile.  A write that lowered a watermark before this
- * sets it had lowered the pass_min before that: the second look at
- * pass_min lowers the watermark again.  Only a pass that read the whole
- * table makes the watermark known for another max_age.
- */
-void
-idem_stats_expiry_pass_end(uint32 gen, const IdemPurgeRanges *ranges)
-{
-	bool		full = ranges->read_all;
-	IdemDbStats *slot;
-	TimestampTz now = GetCurrentTimestamp();
-	uint64		least = PG_UINT64_MAX;
-	int			r;
-
-	if ((slot = current_slot()) == NULL || ranges->unknown)
-		return;
-	SpinLockAcquire(&slot->pass_mutex);
-	if (slot->pass_gen == gen && (full || slot->expiry_known_at != 0))
-	{
-		for (r = 0; r < IDEM_PURGE_RANGES; r++)
-		{
-			uint64		key;
-
-			if (ranges->read[r])
-			{
-				key = Min(expiry_key(ranges->least_left[r]),
-						  pg_atomic_read_u64(&slot->range_pass_min[r]));
-				pg_atomic_exchange_u64(&slot->range_min[r], key);
-				atomic_lower(&slot->range_min[r],
-							 pg_atomic_read_u64(&slot->range_pass_min[r]));
-			}
-			least = Min(least, pg_atomic_read_u64(&slot->range_min[r]));
-		}
-		pg_atomic_exchange_u64(&slot->min_expiry,
-							   Min(least, pg_atomic_read_u64(&slot->pass_min)));
-		atomic_lower(&slot->min_expiry, pg_atomic_read_u64(&slot->pass_min));
-		if (full)
-			slot->expiry_known_at = now;
-	}
-	SpinLockRelease(&slot->pass_mutex);
+	return (slot == NULL) ? -1 : (int) (slot - stats->dbs);
 }
 
 /* Start timing a call, if the counters are collected. */
@@ -915,7 +681,6 @@ idem_stats_forget(Oid dboid)
 	if ((slot = find_slot(dboid)) != NULL)
 	{
 		slot_clear(slot);
-		expiry_forget(slot);
 		pg_atomic_write_u32(&slot->dboid, InvalidOid);
 		pg_atomic_fetch_add_u32(&stats->frees, 1);
 	}

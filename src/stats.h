@@ -48,46 +48,14 @@ extern void idem_stats_purge_done(Oid dboid, const char *error);
 extern void idem_stats_purge_skipped(Oid dboid, const char *reason);
 extern uint64 idem_stats_start_failed(Oid dboid, const char *reason);
 
-/*
- * Purge's expiry map of a database's table: the table's blocks in
- * IDEM_PURGE_RANGES ranges of 1 << shift blocks each (the last range also
- * holds every block past the others), and per range a watermark below the
- * expiry of every key in it (see purge.c).  A pass reads the ranges the
- * map marks and finds, per range, the least expiry of what it left.
- */
-#define IDEM_PURGE_RANGES	512
-
-typedef struct IdemPurgeRanges
-{
-	bool		read_all;		/* read every block (a full pass); read[]
-								 * unused */
-	bool		unknown;		/* least_left not known (Citus shards) */
-	uint32		shift;			/* log2 of the blocks in a range */
-	bool		read[IDEM_PURGE_RANGES];
-	TimestampTz least_left[IDEM_PURGE_RANGES];
-} IdemPurgeRanges;
-
-/* The range of a block. */
-static inline int
-idem_purge_range_of(uint32 shift, uint32 blkno)
-{
-	uint32		r = blkno >> shift;
-
-	return (r < IDEM_PURGE_RANGES) ? (int) r : IDEM_PURGE_RANGES - 1;
-}
-
-extern void idem_stats_expiry_note(TimestampTz expires_at, uint32 blkno);
-extern void idem_stats_expiry_forget(void);
-extern bool idem_stats_expiry_after(TimestampTz now, TimestampTz max_age);
-extern uint32 idem_stats_expiry_pass_start(TimestampTz now, TimestampTz max_age,
-										   uint32 nblocks,
-										   IdemPurgeRanges *ranges);
-extern void idem_stats_expiry_pass_end(uint32 gen,
-									   const IdemPurgeRanges *ranges);
+extern int	idem_stats_slot_index(void);
 extern int	idem_stats_databases(Oid *oids);
 extern void idem_stats_forget(Oid dboid);
 
-/* Room idem_stats_databases needs. */
+/*
+ * Databases with counters at the same time: the room idem_stats_databases
+ * needs, and the range of idem_stats_slot_index.
+ */
 #define IDEM_STATS_SLOTS	256
 
 #define idem_stats_count(stat)	idem_stats_add((stat), 1)

@@ -820,6 +820,8 @@ purge_batch(int batch_size)
 	CommitTransactionCommand();
 	if (pass_done)
 		idem_purge_pass_end();
+	else
+		idem_purge_pass_save();
 	pgstat_report_stat(false);
 	pgstat_report_activity(STATE_IDLE, NULL);
 
