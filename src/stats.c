@@ -176,6 +176,52 @@ stats_shmem_startup(void)
 		on_shmem_exit(stats_shmem_shutdown, (Datum) 0);
 }
 
+/* A timestamp read from the stats file, or ifbad if it is out of range. */
+static TimestampTz
+valid_timestamp(TimestampTz ts, TimestampTz ifbad)
+{
+	return (ts != 0 && IS_VALID_TIMESTAMP(ts)) ? ts : ifbad;
+}
+
+/*
+ * Put a record of the stats file into the first nloaded slots, adding its
+ * counters to those of a slot of the same database if there is one (a
+ * file written by hand, or by another build, may repeat a database);
+ * returns how many slots are loaded now.  A time out of range is read as
+ * never (last_purge) or now (stats_reset), so that idem_stats() can show
+ * it.
+ */
+static int
+load_record(IdemDbStatsRecord *rec, int nloaded)
+{
+	IdemDbStats *slot = NULL;
+	TimestampTz last_purge = valid_timestamp(rec->last_purge, 0);
+	TimestampTz stats_reset = valid_timestamp(rec->stats_reset,
+											  GetCurrentTimestamp());
+	int			i;
+
+	for (i = 0; i < nloaded && slot == NULL; i++)
+		if (pg_atomic_read_u32(&stats->dbs[i].dboid) == rec->dboid)
+			slot = &stats->dbs[i];
+	if (slot == NULL)
+	{
+		slot = &stats->dbs[nloaded++];
+		pg_atomic_write_u32(&slot->dboid, rec->dboid);
+		slot->stats_reset = stats_reset;
+	}
+	for (i = 0; i < IDEM_STAT_NUM; i++)
+		pg_atomic_fetch_add_u64(&slot->counters[i], rec->counters[i]);
+	pg_atomic_fetch_add_u64(&slot->start_failures, rec->start_failures);
+	slot->stats_reset = Min(slot->stats_reset, stats_reset);
+	rec->last_error[IDEM_STATS_ERROR_LEN - 1] = '\0';
+	if (last_purge >= slot->last_purge)
+	{
+		slot->last_purge = last_purge;
+		strlcpy(slot->last_error, rec->last_error, IDEM_STATS_ERROR_LEN);
+	}
+	return nloaded;
+}
+
 /*
  * Read the counters a clean shutdown kept, as pg_stat_statements does,
  * then remove the file: after a crash the counters start from zero.
@@ -185,6 +231,7 @@ stats_load(void)
 {
 	FILE	   *file;
 	uint32		header[3];
+	int			nloaded = 0;
 	int			i;
 
 	file = AllocateFile(IDEM_STATS_FILE, PG_BINARY_R);
@@ -209,8 +256,6 @@ stats_load(void)
 	for (i = 0; i < (int) header[2]; i++)
 	{
 		IdemDbStatsRecord rec;
-		IdemDbStats *slot = &stats->dbs[i];
-		int			j;
 
 		if (fread(&rec, sizeof(rec), 1, file) != 1)
 		{
@@ -218,14 +263,8 @@ stats_load(void)
 					(errmsg("idem statistics file \"%s\" is cut short", IDEM_STATS_FILE)));
 			break;
 		}
-		pg_atomic_write_u32(&slot->dboid, rec.dboid);
-		for (j = 0; j < IDEM_STAT_NUM; j++)
-			pg_atomic_write_u64(&slot->counters[j], rec.counters[j]);
-		pg_atomic_write_u64(&slot->start_failures, rec.start_failures);
-		slot->last_purge = rec.last_purge;
-		slot->stats_reset = rec.stats_reset;
-		rec.last_error[IDEM_STATS_ERROR_LEN - 1] = '\0';
-		strlcpy(slot->last_error, rec.last_error, IDEM_STATS_ERROR_LEN);
+		if (rec.dboid != InvalidOid)
+			nloaded = load_record(&rec, nloaded);
 	}
 	FreeFile(file);
 	unlink(IDEM_STATS_FILE);
