@@ -56,10 +56,11 @@ sub count_of
 
 # --- 1. A paced pass goes on at the next visit.
 # 6000 front keys, the last one expiring first, one every 20 ms (50 a
-# second against the worker's 20): they expire over two minutes.  Then
-# 100 tail keys that expired an hour ago.
+# second against the worker's 20): the last 300 have expired already,
+# more than a visit of 5 s deletes, and the others expire over two
+# minutes.  Then 100 tail keys that expired an hour ago.
 $node->safe_psql('postgres',
-	rows('front', 6000, q{clock_timestamp() + interval '3 s' + (6000 - g) * interval '20 ms'})
+	rows('front', 6000, q{clock_timestamp() - interval '6 s' + (6000 - g) * interval '20 ms'})
 	  . ";\n" . rows('tail', 100, q{now() - interval '1 hour'}));
 is($node->safe_psql('postgres', q{
 	SELECT max(ctid) FILTER (WHERE key LIKE 'front-%') < min(ctid) FILTER (WHERE key LIKE 'tail-%')
