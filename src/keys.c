@@ -24,8 +24,8 @@
  * same way.  A call waits at
  * most once (for the transaction that held the key, bounded by
  * lock_timeout); if the key is busy again after that, it answers in
- * flight.  A call counts in idem_stats as one wait, with its total wait
- * time.
+ * flight, unless its wait_for has time left: then it waits again.  A call
+ * counts in idem_stats as one wait, with its total wait time.
  *
  *-------------------------------------------------------------------------
  */
@@ -311,6 +311,16 @@ count_waits(ClaimArgs *args)
 }
 
 /*
+ * May the call wait again for a transaction that holds the key?  A call
+ * waits at most once, except with wait_for while the wait lasts.
+ */
+static bool
+may_wait_again(ClaimArgs *args)
+{
+	return args->wait_until != 0 && idem_now() < args->wait_until;
+}
+
+/*
  * Claim the key by rewriting the version of its row that decide() found
  * expired or abandoned.  A takeover keeps the key's window unless the new
  * lease ends later.  The write succeeds only if that version is still the
@@ -442,6 +452,15 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		Decision	decision;
 
 		CHECK_FOR_INTERRUPTS();
+
+		/*
+		 * With wait_for, get ready to sleep before each look at the key: a
+		 * change committed after the look then still wakes the sleep, also
+		 * after a lock wait or a wake-up took this backend off its
+		 * condition variable.
+		 */
+		if (args->wait_until != 0)
+			idem_waits_arm();
 		if (IsolationUsesXactSnapshot())
 		{
 			/*
@@ -498,7 +517,8 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 			 * for its transaction, which may still hold the key.
 			 */
 			idem_stats_start(&waited);
-			if (idem_keytable_wait(kt, &waiter) && !purge)
+			if (idem_keytable_wait(kt, &waiter) && !purge &&
+				!may_wait_again(args))
 				may_wait = false;
 			add_wait(args, &waited);
 			continue;
@@ -524,7 +544,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 				return;
 			case KEYWRITE_CHANGED:
 				/* Changed since it was read, maybe after a wait. */
-				may_wait = false;
+				may_wait = may_wait && may_wait_again(args);
 				continue;
 		}
 	}

@@ -13,7 +13,10 @@
  * sleeps on).  A transaction that completes, releases or takes over a key
  * notes the key's variable; once the transaction has committed, so that
  * what it wrote is visible, a transaction callback broadcasts on it.  A
- * lease that runs out is noticed by a timed sleep that ends with it.
+ * lease that runs out is noticed by a timed sleep that ends with it.  The
+ * waiter gets ready to sleep (ConditionVariablePrepareToSleep) before
+ * each look at its key, so a broadcast that took it off the variable's
+ * list while it waited for a row lock is not lost.
  *
  * Without shared_preload_libraries there is no shared memory, and on a
  * hot standby no transaction of this server commits what the waiter
@@ -397,9 +400,8 @@ idem_waits_hide(void)
 }
 
 /*
- * Get ready to wait for a change of the key, before looking at it: a
- * change committed between the look and the sleep then still wakes the
- * sleep.
+ * Start a call that may wait for a change of the key (wait_for): choose
+ * its variable.  idem_waits_arm gets ready to sleep on it.
  */
 void
 idem_waits_prepare(text *scope, text *key)
@@ -413,7 +415,22 @@ idem_waits_prepare(text *scope, text *key)
 		return;
 	}
 	waiting_slot = key_slot(scope, key);
-	ConditionVariablePrepareToSleep(&wait_slots[waiting_slot]);
+}
+
+/*
+ * Get ready to sleep, before each look at the key (condition_variable.c's
+ * contract: prepare, check the condition, sleep), so that a change
+ * committed after the look still wakes the sleep.  Before every look, not
+ * only the first: a broadcast takes this backend off the variable's list,
+ * and one that comes while it waits for a row lock (whose latch wait
+ * swallows the wake-up) or a sleep on another variable would otherwise
+ * leave it sleeping until its lease or wait ends.
+ */
+void
+idem_waits_arm(void)
+{
+	if (waiting_slot >= 0)
+		ConditionVariablePrepareToSleep(&wait_slots[waiting_slot]);
 }
 
 /*

@@ -7,6 +7,13 @@
 #
 # - idem_stats counts one wait per call that waited, however many times
 #   it was woken.
+# - A waiter that waited for a row lock during its wait (a takeover in
+#   progress), while a bulk completion woke every condition variable,
+#   still wakes when the key's new holder completes it.
+# - After that lock wait, a key that is still busy (locked FOR SHARE by
+#   the taker's transaction, whose takeover was rolled back to a
+#   savepoint) is waited for, not answered in flight while wait_for
+#   remains.
 
 use strict;
 use warnings;
@@ -80,6 +87,50 @@ is($w->query_safe('SELECT 1'), "DONE\n1", 'count: the duplicate replays');
 $w->quit;
 is(sql(qq{SELECT waits - $waits, wait_time > 0 FROM idem_stats WHERE datname = 'postgres'}),
 	'1|t', 'count: idem_stats counts the call once, with its wait time');
+
+# --- A lock wait inside the wait: the taker's transaction holds the
+# key (a takeover under a clock two minutes ahead) while a bulk
+# completion wakes every waiter; the taker commits, the waiter sleeps for
+# its result, which the taker then completes.
+sql(q{SELECT token FROM idem_begin('lw', 'fp', lease => '1 min')});
+claim_many('lw-bulk', 40);
+$taker = $node->background_psql('postgres');
+$taker->query_safe(q{SET idem.clock_offset = '2 min'; BEGIN});
+my $ttok = $taker->query_safe(
+	q{SELECT token FROM idem_begin('lw', 'fp', lease => '1 hour') WHERE claimed});
+$w = start_waiter('lw', q{claimed, state, convert_from(body, 'UTF8')},
+	q{SET idem.clock_offset = '2 min'; SET deadlock_timeout = '10 min'});
+ok(sleeps_on('Lock', 'lw'), 'lock wait: the duplicate waits for the takeover');
+complete_many('lw-bulk');
+$taker->query_safe('COMMIT');
+ok(sleeps_on('Extension', 'lw'),
+	'lock wait: after the takeover commits, the duplicate sleeps for its result');
+sql(qq{SELECT idem_complete('lw', 'fp', 200, convert_to('after a lock wait', 'UTF8'), $ttok)});
+is($w->query_safe('SELECT 1'), "f|DONE|after a lock wait\n1",
+	'lock wait: the completion wakes the duplicate, which replays it');
+$w->quit;
+$taker->quit;
+
+# --- Still busy after the lock wait: the taker locked the row FOR
+# SHARE, then took the key over in a savepoint it rolls back.  The
+# duplicate's lock wait ends, the row is still locked: it waits on, and
+# claims the key once the taker's transaction ends.
+sql(q{SELECT token FROM idem_begin('ls', 'fp', lease => '1 min')});
+$taker = $node->background_psql('postgres');
+$taker->query_safe(q{SET idem.clock_offset = '2 min'; BEGIN;
+	SELECT token FROM idem.keys WHERE key = 'ls' FOR SHARE;
+	SAVEPOINT s;
+	SELECT claimed FROM idem_begin('ls', 'fp', lease => '1 hour')});
+$w = start_waiter('ls', q{claimed, state}, q{SET idem.clock_offset = '2 min'; SET deadlock_timeout = '10 min'});
+ok(sleeps_on('Lock', 'ls'), 'still busy: the duplicate waits for the takeover');
+$taker->query_safe('ROLLBACK TO SAVEPOINT s');
+ok(sleeps_on('Lock', 'ls'),
+	'still busy: the takeover undone, the duplicate waits for the row lock');
+$taker->query_safe('COMMIT');
+is($w->query_safe('SELECT 1'), "t|PROCESSING\n1",
+	'still busy: the duplicate claims the key once the lock is gone, not in flight before');
+$w->quit;
+$taker->quit;
 
 idem_amcheck($node, 'postgres');
 $node->stop;
