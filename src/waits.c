@@ -18,6 +18,13 @@
  * each look at its key, so a broadcast that took it off the variable's
  * list while it waited for a row lock is not lost.
  *
+ * A prepared transaction's callbacks do not run at COMMIT PREPARED, and
+ * the backend that prepared it may be gone by then: the backend that runs
+ * COMMIT PREPARED broadcasts on every variable instead (waits_ProcessUtility),
+ * once the commit is visible.  That needs no state kept between PREPARE
+ * and COMMIT PREPARED, so it holds across a restart too.  ROLLBACK
+ * PREPARED, like ROLLBACK, changes nothing a sleeper waits for.
+ *
  * Without shared_preload_libraries there is no shared memory, and on a
  * hot standby no transaction of this server commits what the waiter
  * waits for: the waiter then looks at its key again every
@@ -63,6 +70,7 @@
 #include "storage/proc.h"
 #include "storage/procarray.h"
 #include "storage/shmem.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
@@ -115,6 +123,7 @@ static ConditionVariable *wait_slots = NULL;
 static WaitEntry *wait_entries = NULL;	/* MaxBackends of them */
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+static ProcessUtility_hook_type prev_ProcessUtility = NULL;
 
 /* The slots this transaction changed keys of, broadcast at commit. */
 static int	notes[IDEM_WAIT_NOTES];
@@ -177,7 +186,47 @@ waits_shmem_startup(void)
 	LWLockRelease(AddinShmemInitLock);
 }
 
-/* Install the shared memory hooks; called from _PG_init when preloaded. */
+/* Wake every waiter, whatever key it waits for. */
+static void
+broadcast_all(void)
+{
+	int			i;
+
+	for (i = 0; i < IDEM_WAIT_SLOTS; i++)
+		ConditionVariableBroadcast(&wait_slots[i]);
+}
+
+/*
+ * After COMMIT PREPARED, wake every waiter: the prepared transaction's
+ * notes were dropped at PREPARE.  standard_ProcessUtility has made the
+ * commit visible when it returns.  A broadcast on a variable nobody
+ * sleeps on costs a spinlock; a waiter woken for nothing looks at its key
+ * once and sleeps on.
+ */
+static void
+waits_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
+					 bool readOnlyTree, ProcessUtilityContext context,
+					 ParamListInfo params, QueryEnvironment *queryEnv,
+					 DestReceiver *dest, QueryCompletion *qc)
+{
+	Node	   *parsetree = pstmt->utilityStmt;
+	bool		commit_prepared = IsA(parsetree, TransactionStmt) &&
+		((TransactionStmt *) parsetree)->kind == TRANS_STMT_COMMIT_PREPARED;
+
+	if (prev_ProcessUtility)
+		prev_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+							params, queryEnv, dest, qc);
+	else
+		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+								params, queryEnv, dest, qc);
+	if (commit_prepared && wait_slots != NULL)
+		broadcast_all();
+}
+
+/*
+ * Install the shared memory hooks and the one that wakes waiters at
+ * COMMIT PREPARED; called from _PG_init when preloaded.
+ */
 void
 idem_waits_shmem_init(void)
 {
@@ -185,6 +234,8 @@ idem_waits_shmem_init(void)
 	shmem_request_hook = waits_shmem_request;
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = waits_shmem_startup;
+	prev_ProcessUtility = ProcessUtility_hook;
+	ProcessUtility_hook = waits_ProcessUtility;
 }
 
 /* The slot of a key of this database. */
@@ -215,10 +266,7 @@ waits_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 			if (notes_overflow)
-			{
-				for (i = 0; i < IDEM_WAIT_SLOTS; i++)
-					ConditionVariableBroadcast(&wait_slots[i]);
-			}
+				broadcast_all();
 			else
 			{
 				for (i = 0; i < nnotes; i++)
@@ -252,8 +300,8 @@ waits_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 /*
  * Note that this transaction changed the key in a way a waiter waits for
  * (completed, released or took it over): its waiters are woken once the
- * transaction commits.  A prepared transaction's waiters notice at their
- * next look (at the latest when their wait ends).
+ * transaction commits.  The notes of a transaction that is prepared are
+ * dropped: COMMIT PREPARED wakes every waiter.
  */
 void
 idem_waits_note_change(text *scope, text *key)
