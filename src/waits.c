@@ -28,7 +28,8 @@
  * Without shared_preload_libraries there is no shared memory, and on a
  * hot standby no transaction of this server commits what the waiter
  * waits for: the waiter then looks at its key again every
- * IDEM_WAIT_POLL_MS.
+ * IDEM_WAIT_POLL_MS.  A standby's wait for a transaction running on the
+ * primary is idem_waits_for_primary's: lock_timeout holds there too.
  *
  * Who waits for what: pg_stat_activity shows a call waiting for the
  * transaction that holds a key as Lock/transactionid, and a wait_for
@@ -93,6 +94,9 @@ PG_FUNCTION_INFO_V1(idem_waits);
 
 /* Keys one transaction notes at most; beyond, it wakes every waiter. */
 #define IDEM_WAIT_NOTES		32
+
+/* The longest sleep between looks of a standby waiting for the primary. */
+#define IDEM_WAIT_PRIMARY_MAX_MS	100
 
 /* Room for a scope or key in idem_waits: 64 bytes, "..." and the NUL. */
 #define IDEM_WAIT_TEXT_LEN	(64 + 3 + 1)
@@ -336,6 +340,15 @@ wait_event(void)
 	return idem_wait_event(&event, "IdemWaitForResult");
 }
 
+/* The wait event of a standby waiting for a transaction of the primary. */
+static uint32
+primary_wait_event(void)
+{
+	static uint32 event = 0;
+
+	return idem_wait_event(&event, "IdemWaitForPrimary");
+}
+
 /* This backend's entry, or NULL if there are none or it has none. */
 static WaitEntry *
 my_entry(void)
@@ -517,6 +530,49 @@ idem_waits_sleep(TimestampTz until, int64 holder_token)
 		(void) ConditionVariableTimedSleep(&wait_slots[waiting_slot], ms,
 										   wait_event());
 	return true;
+}
+
+/*
+ * On a hot standby, wait until the primary's transaction xid (or the
+ * subtransaction, or its top transaction) ends, as XactLockTableWait
+ * does on the primary: there, that is a 1 ms polling loop without a wait
+ * event that lock_timeout does not end.  Here the backend sleeps on its
+ * latch (interrupts and statement_timeout end it), shows a wait event,
+ * backs off from 1 ms to IDEM_WAIT_PRIMARY_MAX_MS, and ends with 55P03
+ * once lock_timeout has passed, as the lock wait on the primary would.
+ * TransactionIdIsInProgress answers for subtransactions too: one that
+ * committed into a running parent is in progress until the parent ends.
+ */
+void
+idem_waits_for_primary(TransactionId xid)
+{
+	TimestampTz deadline = 0;
+	long		delay = 1;
+
+	if (LockTimeout > 0)
+		deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), LockTimeout);
+	for (;;)
+	{
+		long		timeout = delay;
+
+		CHECK_FOR_INTERRUPTS();
+		if (!TransactionIdIsInProgress(xid))
+			break;
+		if (deadline != 0)
+		{
+			TimestampTz now = GetCurrentTimestamp();
+
+			if (now >= deadline)
+				ereport(ERROR,
+						(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+						 errmsg("canceling statement due to lock timeout")));
+			timeout = Min(timeout, (long) ((deadline - now + 999) / 1000));
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 timeout, primary_wait_event());
+		ResetLatch(MyLatch);
+		delay = Min(delay * 2, IDEM_WAIT_PRIMARY_MAX_MS);
+	}
 }
 
 /* The wait is over. */
