@@ -25,6 +25,12 @@
  * and COMMIT PREPARED, so it holds across a restart too.  ROLLBACK
  * PREPARED, like ROLLBACK, changes nothing a sleeper waits for.
  *
+ * A sleep on a condition variable is invisible to the deadlock detector.
+ * A waiter whose transaction holds a transaction lock (it wrote or locked
+ * rows) looks every deadlock_timeout whether another transaction waits
+ * for it; if one does, that one may be the holder's completion, and
+ * neither would go on until wait_for ends: the wait ends with 40P01.
+ *
  * Without shared_preload_libraries there is no shared memory, and on a
  * hot standby no transaction of this server commits what the waiter
  * waits for: the waiter then looks at its key again every
@@ -67,6 +73,7 @@
 #include "storage/condition_variable.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
+#include "storage/lock.h"
 #include "storage/lwlock.h"
 #include "storage/proc.h"
 #include "storage/procarray.h"
@@ -495,6 +502,69 @@ idem_waits_arm(void)
 }
 
 /*
+ * Does another transaction wait for this one (for a row it wrote or
+ * locked, or a key it holds)?  Checks the top transaction's lock and the
+ * current subtransaction's.
+ */
+static bool
+xact_has_waiters(void)
+{
+	TransactionId top = GetTopTransactionIdIfAny();
+	TransactionId sub = GetCurrentTransactionIdIfAny();
+	LOCKTAG		tag;
+
+	if (TransactionIdIsValid(top))
+	{
+		SET_LOCKTAG_TRANSACTION(tag, top);
+		if (LockHasWaiters(&tag, ExclusiveLock, false))
+			return true;
+	}
+	if (TransactionIdIsValid(sub) && sub != top)
+	{
+		SET_LOCKTAG_TRANSACTION(tag, sub);
+		if (LockHasWaiters(&tag, ExclusiveLock, false))
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Sleep on the key's variable for up to ms.  A transaction that holds
+ * transaction locks sleeps deadlock_timeout at a time, and ends the wait
+ * with 40P01 if another transaction waits for it: the sleep is invisible
+ * to the deadlock detector, and the holder's completion may be that
+ * transaction.  Returns when woken or when ms have passed.
+ */
+static void
+sleep_on_slot(long ms)
+{
+	ConditionVariable *cv = &wait_slots[waiting_slot];
+
+	while (ms > 0)
+	{
+		long		chunk = ms;
+		bool		check = TransactionIdIsValid(GetTopTransactionIdIfAny()) &&
+			DeadlockTimeout > 0 && DeadlockTimeout < ms;
+		TimestampTz started = GetCurrentTimestamp();
+
+		if (check)
+			chunk = DeadlockTimeout;
+		if (!ConditionVariableTimedSleep(cv, chunk, wait_event()))
+			return;				/* woken: look at the key */
+		if (!check)
+			return;
+		if (xact_has_waiters())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_DEADLOCK_DETECTED),
+					 errmsg("deadlock detected while waiting for the result of idempotency key \"%s\"",
+							idem_key_for_message(waiting_key)),
+					 errdetail("Another transaction waits for a lock this transaction holds; if it is the one to complete or release the key, neither can go on until wait_for ends."),
+					 errhint("Retry the transaction. Call idem_begin with wait_for before taking row locks that other transactions need.")));
+		ms -= (long) ((GetCurrentTimestamp() - started) / 1000);
+	}
+}
+
+/*
  * Sleep until a change of the key is committed, or until (idem's clock),
  * whichever comes first; without a condition variable, for at most
  * IDEM_WAIT_POLL_MS.  Interrupts (cancel, statement_timeout) end it with
@@ -527,8 +597,7 @@ idem_waits_sleep(TimestampTz until, int64 holder_token)
 		CHECK_FOR_INTERRUPTS();
 	}
 	else
-		(void) ConditionVariableTimedSleep(&wait_slots[waiting_slot], ms,
-										   wait_event());
+		sleep_on_slot(ms);
 	return true;
 }
 

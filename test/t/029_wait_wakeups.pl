@@ -18,6 +18,9 @@
 #   COMMIT PREPARED: a waiter that slept before the PREPARE, and one that
 #   came after it.  The time from COMMIT PREPARED to the waiter's answer
 #   is measured over 20 runs and reported (not asserted).
+# - A waiter that holds a row lock the holder's completing transaction
+#   waits for ends with 40P01 after deadlock_timeout, and the completion
+#   goes through.
 
 use strict;
 use warnings;
@@ -183,6 +186,36 @@ $w->quit;
 @ms = sort { $a <=> $b } @ms;
 note sprintf('COMMIT PREPARED to the answer over %d runs: p50 %.1f ms, p99 %.1f ms, max %.1f ms',
 	scalar(@ms), $ms[$#ms / 2], $ms[int(0.99 * $#ms)], $ms[-1]);
+
+# --- The waiter holds a row lock the completing transaction needs.
+sql(q{CREATE TABLE accounts (id int PRIMARY KEY, balance int);
+	INSERT INTO accounts VALUES (1, 0)});
+$tok = sql(q{SELECT token FROM idem_begin('dl', 'fp', lease => '1 hour')});
+my $locker = $node->background_psql('postgres', on_error_stop => 0);
+$locker->query_safe(q{\set VERBOSITY verbose});
+$locker->query_until(qr/start/, q{
+	\echo start
+	BEGIN;
+	UPDATE accounts SET balance = balance + 1 WHERE id = 1;
+	SELECT state FROM idem_begin('dl', 'fp', wait_for => '10 min');
+});
+ok(sleeps_on('Extension', 'dl'), 'deadlock: the duplicate sleeps holding a row lock');
+my $completer = $node->background_psql('postgres', on_error_stop => 0);
+$completer->query_until(qr/start/, qq{
+	\\echo start
+	BEGIN;
+	UPDATE accounts SET balance = balance + 10 WHERE id = 1;
+	SELECT idem_complete('dl', 'fp', 200, 'paid', $tok) IS NOT NULL;
+	COMMIT;
+});
+$locker->query('ROLLBACK');
+like($locker->{stderr}, qr/ERROR:  40P01: deadlock detected while waiting for the result of idempotency key "dl"/,
+	'deadlock: the duplicate\'s wait ends with 40P01');
+is($completer->query_safe('SELECT 1'), "t\n1", 'deadlock: the completing transaction goes on');
+is(sql(q{SELECT k.status, a.balance FROM idem.keys k, accounts a WHERE k.key = 'dl'}),
+	'200|10', 'deadlock: the completion and its business write committed');
+$locker->quit;
+$completer->quit;
 
 idem_amcheck($node, 'postgres');
 $node->stop;
