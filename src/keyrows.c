@@ -37,6 +37,7 @@
 #include "access/multixact.h"
 #include "access/tableam.h"
 #include "access/xact.h"
+#include "access/xlog.h"
 #include "catalog/index.h"
 #include "executor/executor.h"
 #include "executor/tuptable.h"
@@ -326,8 +327,9 @@ idem_keytable_look(KeyTable *kt, KeyRow *row, KeyWaiter *waiter,
  * A version still being inserted speculatively is waited for only until
  * its insertion is confirmed or undone, which happens before its
  * transaction ends; returns true if the wait lasted until the transaction
- * ended, false if it was such a short wait.  idem_waits shows the wait
- * while it lasts; a wait that ends with an error (a cancel, lock_timeout,
+ * ended, false if it was such a short wait.  On a hot standby the
+ * transaction runs on the primary: idem_waits_for_primary waits for its
+ * end.  idem_waits shows the wait while it lasts; a wait that ends with an error (a cancel, lock_timeout,
  * a deadlock) is cleared when the (sub)transaction aborts (waits.c).
  */
 bool
@@ -338,7 +340,13 @@ idem_keytable_wait(KeyTable *kt, KeyWaiter *waiter)
 
 	push_wait_context(kt, &errcb);
 	idem_waits_show(IDEM_WAIT_TRANSACTION, kt->scope, kt->key, waiter->xid, 0);
-	if (speculative)
+	if (RecoveryInProgress())
+	{
+		/* The primary's transaction: its end, also of an insertion. */
+		idem_waits_for_primary(waiter->xid);
+		speculative = false;
+	}
+	else if (speculative)
 		SpeculativeInsertionWait(waiter->xid, waiter->spec_token);
 	else
 		XactLockTableWait(waiter->xid, kt->rel, &waiter->tid,

@@ -24,7 +24,8 @@
  * same way.  A call waits at
  * most once (for the transaction that held the key, bounded by
  * lock_timeout); if the key is busy again after that, it answers in
- * flight.
+ * flight, unless its wait_for has time left: then it waits again.  A call
+ * counts in idem_stats as one wait, with its total wait time.
  *
  *-------------------------------------------------------------------------
  */
@@ -99,6 +100,8 @@ typedef struct ClaimArgs
 	TimestampTz wait_until;		/* wait_for: 0, or when the wait ends */
 	TimestampTz lock_wait_until;	/* lock_timeout: 0, or when it ends */
 	MemoryContext result_cxt;	/* where a replayed body is copied */
+	bool		waited;			/* the call waited, once or more */
+	instr_time	wait_time;		/* for how long in all */
 } ClaimArgs;
 
 /* What decide() found out about a key's row. */
@@ -279,12 +282,42 @@ claim_args_now(ClaimArgs *args)
 									   idem_default_retention, "retention");
 }
 
-/* Count a wait for a holder or a result, and its time. */
+/*
+ * Add a wait for a holder or a result, begun at started, to the call's
+ * waits: idem_stats counts the call once, with its total wait time, when
+ * it ends (count_waits), however many times it slept.
+ */
 static void
-count_wait(instr_time *started)
+add_wait(ClaimArgs *args, instr_time *started)
 {
+	instr_time	now;
+
+	args->waited = true;
+	if (INSTR_TIME_IS_ZERO(*started))
+		return;
+	INSTR_TIME_SET_CURRENT(now);
+	INSTR_TIME_ACCUM_DIFF(args->wait_time, now, *started);
+}
+
+/* Count a call that waited, and its time. */
+static void
+count_waits(ClaimArgs *args)
+{
+	if (!args->waited)
+		return;
 	idem_stats_count(IDEM_STAT_WAITS);
-	idem_stats_add_time(IDEM_STAT_WAIT_USECS, started);
+	idem_stats_add(IDEM_STAT_WAIT_USECS,
+				   (uint64) INSTR_TIME_GET_MICROSEC(args->wait_time));
+}
+
+/*
+ * May the call wait again for a transaction that holds the key?  A call
+ * waits at most once, except with wait_for while the wait lasts.
+ */
+static bool
+may_wait_again(ClaimArgs *args)
+{
+	return args->wait_until != 0 && idem_now() < args->wait_until;
 }
 
 /*
@@ -373,7 +406,7 @@ wait_for_holder(KeyTable *kt, ClaimArgs *args, KeyRow *row)
 		until = Min(until, args->lock_wait_until);
 	idem_stats_start(&waited);
 	slept = idem_waits_sleep(until, row->token);
-	count_wait(&waited);
+	add_wait(args, &waited);
 	claim_args_now(args);
 	if (args->lock_wait_until != 0 && args->now >= args->lock_wait_until &&
 		args->now < row->lease_until)
@@ -419,6 +452,15 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 		Decision	decision;
 
 		CHECK_FOR_INTERRUPTS();
+
+		/*
+		 * With wait_for, get ready to sleep before each look at the key: a
+		 * change committed after the look then still wakes the sleep, also
+		 * after a lock wait or a wake-up took this backend off its
+		 * condition variable.
+		 */
+		if (args->wait_until != 0)
+			idem_waits_arm();
 		if (IsolationUsesXactSnapshot())
 		{
 			/*
@@ -475,9 +517,10 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 			 * for its transaction, which may still hold the key.
 			 */
 			idem_stats_start(&waited);
-			if (idem_keytable_wait(kt, &waiter) && !purge)
+			if (idem_keytable_wait(kt, &waiter) && !purge &&
+				!may_wait_again(args))
 				may_wait = false;
-			count_wait(&waited);
+			add_wait(args, &waited);
 			continue;
 		}
 		if (!row.found)
@@ -501,7 +544,7 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 				return;
 			case KEYWRITE_CHANGED:
 				/* Changed since it was read, maybe after a wait. */
-				may_wait = false;
+				may_wait = may_wait && may_wait_again(args);
 				continue;
 		}
 	}
@@ -703,6 +746,8 @@ idem_begin(PG_FUNCTION_ARGS)
 		}
 	}
 	args.result_cxt = CurrentMemoryContext;
+	args.waited = false;
+	INSTR_TIME_SET_ZERO(args.wait_time);
 
 	store = begin_result_store(fcinfo);
 
@@ -714,6 +759,7 @@ idem_begin(PG_FUNCTION_ARGS)
 	if (args.wait_until != 0)
 		idem_waits_done();
 	idem_keytable_close(&kt);
+	count_waits(&args);
 	if (res.claimed)
 		idem_stats_add_time(IDEM_STAT_CLAIM_USECS, &started);
 	else if (res.state == CLAIM_DONE)

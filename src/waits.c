@@ -13,12 +13,29 @@
  * sleeps on).  A transaction that completes, releases or takes over a key
  * notes the key's variable; once the transaction has committed, so that
  * what it wrote is visible, a transaction callback broadcasts on it.  A
- * lease that runs out is noticed by a timed sleep that ends with it.
+ * lease that runs out is noticed by a timed sleep that ends with it.  The
+ * waiter gets ready to sleep (ConditionVariablePrepareToSleep) before
+ * each look at its key, so a broadcast that took it off the variable's
+ * list while it waited for a row lock is not lost.
+ *
+ * A prepared transaction's callbacks do not run at COMMIT PREPARED, and
+ * the backend that prepared it may be gone by then: the backend that runs
+ * COMMIT PREPARED broadcasts on every variable instead (waits_ProcessUtility),
+ * once the commit is visible.  That needs no state kept between PREPARE
+ * and COMMIT PREPARED, so it holds across a restart too.  ROLLBACK
+ * PREPARED, like ROLLBACK, changes nothing a sleeper waits for.
+ *
+ * A sleep on a condition variable is invisible to the deadlock detector.
+ * A waiter whose transaction holds a transaction lock (it wrote or locked
+ * rows) looks every deadlock_timeout whether another transaction waits
+ * for it; if one does, that one may be the holder's completion, and
+ * neither would go on until wait_for ends: the wait ends with 40P01.
  *
  * Without shared_preload_libraries there is no shared memory, and on a
  * hot standby no transaction of this server commits what the waiter
  * waits for: the waiter then looks at its key again every
- * IDEM_WAIT_POLL_MS.
+ * IDEM_WAIT_POLL_MS.  A standby's wait for a transaction running on the
+ * primary is idem_waits_for_primary's: lock_timeout holds there too.
  *
  * Who waits for what: pg_stat_activity shows a call waiting for the
  * transaction that holds a key as Lock/transactionid, and a wait_for
@@ -56,10 +73,12 @@
 #include "storage/condition_variable.h"
 #include "storage/ipc.h"
 #include "storage/latch.h"
+#include "storage/lock.h"
 #include "storage/lwlock.h"
 #include "storage/proc.h"
 #include "storage/procarray.h"
 #include "storage/shmem.h"
+#include "tcop/utility.h"
 #include "utils/acl.h"
 #include "utils/builtins.h"
 #include "utils/memutils.h"
@@ -82,6 +101,9 @@ PG_FUNCTION_INFO_V1(idem_waits);
 
 /* Keys one transaction notes at most; beyond, it wakes every waiter. */
 #define IDEM_WAIT_NOTES		32
+
+/* The longest sleep between looks of a standby waiting for the primary. */
+#define IDEM_WAIT_PRIMARY_MAX_MS	100
 
 /* Room for a scope or key in idem_waits: 64 bytes, "..." and the NUL. */
 #define IDEM_WAIT_TEXT_LEN	(64 + 3 + 1)
@@ -112,6 +134,7 @@ static ConditionVariable *wait_slots = NULL;
 static WaitEntry *wait_entries = NULL;	/* MaxBackends of them */
 static shmem_request_hook_type prev_shmem_request_hook = NULL;
 static shmem_startup_hook_type prev_shmem_startup_hook = NULL;
+static ProcessUtility_hook_type prev_ProcessUtility = NULL;
 
 /* The slots this transaction changed keys of, broadcast at commit. */
 static int	notes[IDEM_WAIT_NOTES];
@@ -174,7 +197,47 @@ waits_shmem_startup(void)
 	LWLockRelease(AddinShmemInitLock);
 }
 
-/* Install the shared memory hooks; called from _PG_init when preloaded. */
+/* Wake every waiter, whatever key it waits for. */
+static void
+broadcast_all(void)
+{
+	int			i;
+
+	for (i = 0; i < IDEM_WAIT_SLOTS; i++)
+		ConditionVariableBroadcast(&wait_slots[i]);
+}
+
+/*
+ * After COMMIT PREPARED, wake every waiter: the prepared transaction's
+ * notes were dropped at PREPARE.  standard_ProcessUtility has made the
+ * commit visible when it returns.  A broadcast on a variable nobody
+ * sleeps on costs a spinlock; a waiter woken for nothing looks at its key
+ * once and sleeps on.
+ */
+static void
+waits_ProcessUtility(PlannedStmt *pstmt, const char *queryString,
+					 bool readOnlyTree, ProcessUtilityContext context,
+					 ParamListInfo params, QueryEnvironment *queryEnv,
+					 DestReceiver *dest, QueryCompletion *qc)
+{
+	Node	   *parsetree = pstmt->utilityStmt;
+	bool		commit_prepared = IsA(parsetree, TransactionStmt) &&
+		((TransactionStmt *) parsetree)->kind == TRANS_STMT_COMMIT_PREPARED;
+
+	if (prev_ProcessUtility)
+		prev_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+							params, queryEnv, dest, qc);
+	else
+		standard_ProcessUtility(pstmt, queryString, readOnlyTree, context,
+								params, queryEnv, dest, qc);
+	if (commit_prepared && wait_slots != NULL)
+		broadcast_all();
+}
+
+/*
+ * Install the shared memory hooks and the one that wakes waiters at
+ * COMMIT PREPARED; called from _PG_init when preloaded.
+ */
 void
 idem_waits_shmem_init(void)
 {
@@ -182,6 +245,8 @@ idem_waits_shmem_init(void)
 	shmem_request_hook = waits_shmem_request;
 	prev_shmem_startup_hook = shmem_startup_hook;
 	shmem_startup_hook = waits_shmem_startup;
+	prev_ProcessUtility = ProcessUtility_hook;
+	ProcessUtility_hook = waits_ProcessUtility;
 }
 
 /* The slot of a key of this database. */
@@ -212,10 +277,7 @@ waits_xact_callback(XactEvent event, void *arg)
 		case XACT_EVENT_COMMIT:
 		case XACT_EVENT_PARALLEL_COMMIT:
 			if (notes_overflow)
-			{
-				for (i = 0; i < IDEM_WAIT_SLOTS; i++)
-					ConditionVariableBroadcast(&wait_slots[i]);
-			}
+				broadcast_all();
 			else
 			{
 				for (i = 0; i < nnotes; i++)
@@ -249,8 +311,8 @@ waits_subxact_callback(SubXactEvent event, SubTransactionId mySubid,
 /*
  * Note that this transaction changed the key in a way a waiter waits for
  * (completed, released or took it over): its waiters are woken once the
- * transaction commits.  A prepared transaction's waiters notice at their
- * next look (at the latest when their wait ends).
+ * transaction commits.  The notes of a transaction that is prepared are
+ * dropped: COMMIT PREPARED wakes every waiter.
  */
 void
 idem_waits_note_change(text *scope, text *key)
@@ -283,6 +345,15 @@ wait_event(void)
 	static uint32 event = 0;
 
 	return idem_wait_event(&event, "IdemWaitForResult");
+}
+
+/* The wait event of a standby waiting for a transaction of the primary. */
+static uint32
+primary_wait_event(void)
+{
+	static uint32 event = 0;
+
+	return idem_wait_event(&event, "IdemWaitForPrimary");
 }
 
 /* This backend's entry, or NULL if there are none or it has none. */
@@ -397,9 +468,8 @@ idem_waits_hide(void)
 }
 
 /*
- * Get ready to wait for a change of the key, before looking at it: a
- * change committed between the look and the sleep then still wakes the
- * sleep.
+ * Start a call that may wait for a change of the key (wait_for): choose
+ * its variable.  idem_waits_arm gets ready to sleep on it.
  */
 void
 idem_waits_prepare(text *scope, text *key)
@@ -413,7 +483,85 @@ idem_waits_prepare(text *scope, text *key)
 		return;
 	}
 	waiting_slot = key_slot(scope, key);
-	ConditionVariablePrepareToSleep(&wait_slots[waiting_slot]);
+}
+
+/*
+ * Get ready to sleep, before each look at the key (condition_variable.c's
+ * contract: prepare, check the condition, sleep), so that a change
+ * committed after the look still wakes the sleep.  Before every look, not
+ * only the first: a broadcast takes this backend off the variable's list,
+ * and one that comes while it waits for a row lock (whose latch wait
+ * swallows the wake-up) or a sleep on another variable would otherwise
+ * leave it sleeping until its lease or wait ends.
+ */
+void
+idem_waits_arm(void)
+{
+	if (waiting_slot >= 0)
+		ConditionVariablePrepareToSleep(&wait_slots[waiting_slot]);
+}
+
+/*
+ * Does another transaction wait for this one (for a row it wrote or
+ * locked, or a key it holds)?  Checks the top transaction's lock and the
+ * current subtransaction's.
+ */
+static bool
+xact_has_waiters(void)
+{
+	TransactionId top = GetTopTransactionIdIfAny();
+	TransactionId sub = GetCurrentTransactionIdIfAny();
+	LOCKTAG		tag;
+
+	if (TransactionIdIsValid(top))
+	{
+		SET_LOCKTAG_TRANSACTION(tag, top);
+		if (LockHasWaiters(&tag, ExclusiveLock, false))
+			return true;
+	}
+	if (TransactionIdIsValid(sub) && sub != top)
+	{
+		SET_LOCKTAG_TRANSACTION(tag, sub);
+		if (LockHasWaiters(&tag, ExclusiveLock, false))
+			return true;
+	}
+	return false;
+}
+
+/*
+ * Sleep on the key's variable for up to ms.  A transaction that holds
+ * transaction locks sleeps deadlock_timeout at a time, and ends the wait
+ * with 40P01 if another transaction waits for it: the sleep is invisible
+ * to the deadlock detector, and the holder's completion may be that
+ * transaction.  Returns when woken or when ms have passed.
+ */
+static void
+sleep_on_slot(long ms)
+{
+	ConditionVariable *cv = &wait_slots[waiting_slot];
+
+	while (ms > 0)
+	{
+		long		chunk = ms;
+		bool		check = TransactionIdIsValid(GetTopTransactionIdIfAny()) &&
+			DeadlockTimeout > 0 && DeadlockTimeout < ms;
+		TimestampTz started = GetCurrentTimestamp();
+
+		if (check)
+			chunk = DeadlockTimeout;
+		if (!ConditionVariableTimedSleep(cv, chunk, wait_event()))
+			return;				/* woken: look at the key */
+		if (!check)
+			return;
+		if (xact_has_waiters())
+			ereport(ERROR,
+					(errcode(ERRCODE_T_R_DEADLOCK_DETECTED),
+					 errmsg("deadlock detected while waiting for the result of idempotency key \"%s\"",
+							idem_key_for_message(waiting_key)),
+					 errdetail("Another transaction waits for a lock this transaction holds; if it is the one to complete or release the key, neither can go on until wait_for ends."),
+					 errhint("Retry the transaction. Call idem_begin with wait_for before taking row locks that other transactions need.")));
+		ms -= (long) ((GetCurrentTimestamp() - started) / 1000);
+	}
 }
 
 /*
@@ -449,9 +597,51 @@ idem_waits_sleep(TimestampTz until, int64 holder_token)
 		CHECK_FOR_INTERRUPTS();
 	}
 	else
-		(void) ConditionVariableTimedSleep(&wait_slots[waiting_slot], ms,
-										   wait_event());
+		sleep_on_slot(ms);
 	return true;
+}
+
+/*
+ * On a hot standby, wait until the primary's transaction xid (or the
+ * subtransaction, or its top transaction) ends, as XactLockTableWait
+ * does on the primary: there, that is a 1 ms polling loop without a wait
+ * event that lock_timeout does not end.  Here the backend sleeps on its
+ * latch (interrupts and statement_timeout end it), shows a wait event,
+ * backs off from 1 ms to IDEM_WAIT_PRIMARY_MAX_MS, and ends with 55P03
+ * once lock_timeout has passed, as the lock wait on the primary would.
+ * TransactionIdIsInProgress answers for subtransactions too: one that
+ * committed into a running parent is in progress until the parent ends.
+ */
+void
+idem_waits_for_primary(TransactionId xid)
+{
+	TimestampTz deadline = 0;
+	long		delay = 1;
+
+	if (LockTimeout > 0)
+		deadline = TimestampTzPlusMilliseconds(GetCurrentTimestamp(), LockTimeout);
+	for (;;)
+	{
+		long		timeout = delay;
+
+		CHECK_FOR_INTERRUPTS();
+		if (!TransactionIdIsInProgress(xid))
+			break;
+		if (deadline != 0)
+		{
+			TimestampTz now = GetCurrentTimestamp();
+
+			if (now >= deadline)
+				ereport(ERROR,
+						(errcode(ERRCODE_LOCK_NOT_AVAILABLE),
+						 errmsg("canceling statement due to lock timeout")));
+			timeout = Min(timeout, (long) ((deadline - now + 999) / 1000));
+		}
+		(void) WaitLatch(MyLatch, WL_LATCH_SET | WL_TIMEOUT | WL_EXIT_ON_PM_DEATH,
+						 timeout, primary_wait_event());
+		ResetLatch(MyLatch);
+		delay = Min(delay * 2, IDEM_WAIT_PRIMARY_MAX_MS);
+	}
 }
 
 /* The wait is over. */

@@ -21,8 +21,10 @@ typedef enum IdemWaitKind
 extern void idem_waits_shmem_init(void);
 extern void idem_waits_note_change(text *scope, text *key);
 extern void idem_waits_prepare(text *scope, text *key);
+extern void idem_waits_arm(void);
 extern bool idem_waits_sleep(TimestampTz until, int64 holder_token);
 extern void idem_waits_done(void);
+extern void idem_waits_for_primary(TransactionId xid);
 extern void idem_waits_show(IdemWaitKind kind, text *scope, text *key,
 							TransactionId holder_xid, int64 holder_token);
 extern void idem_waits_hide(void);
