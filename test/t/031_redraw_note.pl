@@ -1,0 +1,87 @@
+# A new key whose token is drawn again (another token was drawn while the
+# key was inserted) is written a second time, and that version may land on
+# another page: its expiry is noted there too, so purge's expiry map sends
+# the next pass to that page once the key expires.  Without the note the
+# key would wait for the hourly full pass.
+#
+# Claims of large keys (four or five to a page) run beside a session that
+# draws tokens all the time, so that nearly every claim draws again and
+# many second versions go to another page; one key in ten has a retention
+# of a few seconds.  Once they expired, the worker's passes, which read
+# only the ranges of blocks the map marks, leave none of them.
+use strict;
+use warnings;
+use PostgreSQL::Test::Cluster;
+use PostgreSQL::Test::Utils;
+use IdemTest;
+use Test::More;
+
+my $node = idem_node('redraw', conf => qq{
+idem.purge_naptime = 1
+idem.purge_rate_limit = 0
+idem.max_key_length = 1024
+});
+
+sub runs
+{
+	return $node->safe_psql('postgres', q{
+		SELECT purge_runs FROM idem_stats WHERE datname = current_database()});
+}
+
+sub wait_runs
+{
+	my ($n) = @_;
+	$node->poll_query_until('postgres', qq{
+		SELECT purge_runs >= $n FROM idem_stats WHERE datname = current_database()})
+	  or die "purge runs did not reach $n";
+}
+
+# A pass that read the whole table makes the map known.
+$node->safe_psql('postgres', q{SELECT claimed FROM idem_begin('first', 'f')});
+wait_runs(runs() + 2);
+
+my $dir = PostgreSQL::Test::Utils::tempdir();
+PostgreSQL::Test::Utils::append_to_file("$dir/claims.sql", q{
+\set k random(1, 1000000000000)
+\set short random(1, 10)
+SELECT claimed FROM idem_begin(
+	CASE WHEN :short = 1 THEN 'short-' ELSE 'long-' END || :k || '-'
+	  || (SELECT string_agg(md5(:k::text || i), '') FROM generate_series(1, 30) i),
+	'f',
+	retention => CASE WHEN :short = 1 THEN interval '4 s' ELSE interval '1 day' END,
+	scope => (SELECT string_agg(md5(i || :k::text), '') FROM generate_series(1, 15) i));
+});
+PostgreSQL::Test::Utils::append_to_file("$dir/draws.sql",
+	q{SELECT nextval('idem.token_seq') FROM generate_series(1, 50);});
+
+my ($out, $err) = ('', '');
+my @connect = ('-h', $node->host, '-p', $node->port, 'postgres');
+my $draws = IPC::Run::start(
+	[ 'pgbench', '-n', '-c', 1, '-T', 600, '-f', "$dir/draws.sql", @connect ],
+	'>', \my $dout, '2>', \my $derr);
+my $claims = IPC::Run::run(
+	[ 'pgbench', '-n', '-c', 4, '-j', 2, '-t', 500, '-f', "$dir/claims.sql", @connect ],
+	'>', \$out, '2>', \$err);
+$draws->kill_kill;
+ok($claims, 'the claims ran') or diag("pgbench: $out\n$err");
+
+my $short = $node->safe_psql('postgres',
+	q{SELECT count(*) FROM idem.keys WHERE key LIKE 'short-%'});
+cmp_ok($short, '>', 0, "$short keys have a short retention");
+is($node->safe_psql('postgres', q{
+	SELECT count(DISTINCT (ctid::text::point)[0]) > 100 FROM idem.keys}), 't',
+	'the keys fill more than 100 pages');
+
+# Once they expired, a few passes (each reads only the ranges of blocks
+# the map marks) leave none of them.
+$node->poll_query_until('postgres', q{
+	SELECT max(expires_at) < now() FROM idem.keys WHERE key LIKE 'short-%'})
+  or die 'the short keys did not expire';
+wait_runs(runs() + 4);
+is($node->safe_psql('postgres', q{SELECT count(*) FROM idem.keys WHERE key LIKE 'short-%'}),
+	'0', 'every expired key is purged');
+is($node->safe_psql('postgres', q{SELECT count(*) FROM idem.keys WHERE key LIKE 'long-%'}),
+	2000 - $short, 'and no other');
+
+$node->stop;
+done_testing();
