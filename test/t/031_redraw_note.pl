@@ -48,6 +48,7 @@ SELECT claimed FROM idem_begin(
 	CASE WHEN :short = 1 THEN 'short-' ELSE 'long-' END || :k || '-'
 	  || (SELECT string_agg(md5(:k::text || i), '') FROM generate_series(1, 30) i),
 	'f',
+	lease => interval '1 s',
 	retention => CASE WHEN :short = 1 THEN interval '4 s' ELSE interval '1 day' END,
 	scope => (SELECT string_agg(md5(i || :k::text), '') FROM generate_series(1, 15) i));
 });
