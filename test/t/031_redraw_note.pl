@@ -4,11 +4,15 @@
 # the next pass to that page once the key expires.  Without the note the
 # key would wait for the hourly full pass.
 #
-# Claims of large keys (four or five to a page) run beside a session that
-# draws tokens all the time, so that nearly every claim draws again and
-# many second versions go to another page; one key in ten has a retention
-# of a few seconds.  Once they expired, the worker's passes, which read
-# only the ranges of blocks the map marks, leave none of them.
+# Claims of large keys (four or five to a page), one after the other, run
+# beside a session that draws tokens all the time, so that nearly every
+# claim draws again, and the second version of a key that filled its page
+# goes to the next page, where the keys after it go too.  One key in
+# twenty has a retention of a few seconds, the others a day: the pages of
+# those second versions have no other short-lived key to make their range
+# of the map read.  Once the short-lived keys expired, the worker's
+# passes, which read only the ranges of blocks the map marks, leave none
+# of them.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -43,14 +47,14 @@ wait_runs(runs() + 2);
 my $dir = PostgreSQL::Test::Utils::tempdir();
 PostgreSQL::Test::Utils::append_to_file("$dir/claims.sql", q{
 \set k random(1, 1000000000000)
-\set short random(1, 10)
+\set short random(1, 20)
 SELECT claimed FROM idem_begin(
 	CASE WHEN :short = 1 THEN 'short-' ELSE 'long-' END || :k || '-'
 	  || (SELECT string_agg(md5(:k::text || i), '') FROM generate_series(1, 30) i),
 	'f',
 	lease => interval '1 s',
 	retention => CASE WHEN :short = 1 THEN interval '4 s' ELSE interval '1 day' END,
-	scope => (SELECT string_agg(md5(i || :k::text), '') FROM generate_series(1, 15) i));
+	scope => (SELECT string_agg(md5(i || :k::text), '') FROM generate_series(1, 22) i));
 });
 PostgreSQL::Test::Utils::append_to_file("$dir/draws.sql",
 	q{SELECT nextval('idem.token_seq') FROM generate_series(1, 50);});
@@ -61,11 +65,19 @@ my $draws = IPC::Run::start(
 	[ 'pgbench', '-n', '-c', 1, '-T', 600, '-f', "$dir/draws.sql", @connect ],
 	'>', \my $dout, '2>', \my $derr);
 my $claims = IPC::Run::run(
-	[ 'pgbench', '-n', '-c', 4, '-j', 2, '-t', 500, '-f', "$dir/claims.sql", @connect ],
+	[ 'pgbench', '-n', '-c', 1, '-t', 2000, '-f', "$dir/claims.sql", @connect ],
 	'>', \$out, '2>', \$err);
 $draws->kill_kill;
 ok($claims, 'the claims ran') or diag("pgbench: $out\n$err");
 
+# The first versions of redrawn keys, updated by their own transaction:
+# how many pointed to another page.
+$node->safe_psql('postgres', 'CREATE EXTENSION pageinspect');
+my $elsewhere = $node->safe_psql('postgres', q{
+	SELECT count(*) FILTER (WHERE t_xmax = t_xmin AND (t_ctid::text::point)[0] <> b)
+	  FROM generate_series(0, pg_relation_size('idem.keys') / 8192 - 1) b,
+	       LATERAL heap_page_items(get_raw_page('idem.keys', b::int))});
+cmp_ok($elsewhere, '>', 50, "$elsewhere keys were drawn again and written on another page");
 my $short = $node->safe_psql('postgres',
 	q{SELECT count(*) FROM idem.keys WHERE key LIKE 'short-%'});
 cmp_ok($short, '>', 0, "$short keys have a short retention");
