@@ -109,8 +109,10 @@ def test_a_scope_longer_than_the_servers_limit_is_400(dsn, db, mode, transaction
     post = app_of(mode, limited(dsn), ran, transactional=transactional)
     malformed = post('"unterminated')
     key, tenant = new_key("sc"), "t" * (LIMIT + 1)
+    assert len(key) <= LIMIT                 # the scope is what is refused
     r = post(key, tenant)
     assert_malformed(r, malformed)
+    assert "scope" in r.json()["title"]
     assert ran == [] and lookup(db, key, tenant) is None
 
 
