@@ -26,6 +26,7 @@ import uuid
 
 LEASE = 30            # the routes' lease (README), seconds
 RETENTION = 3600      # the routes' retention, seconds
+SHORT = 64            # the server's idem.max_key_length for /short (README)
 REPLAYED = "idempotent-replayed"
 NOT_STORED = {
     "type": "about:blank", "title": "Response not stored", "status": 500,
@@ -258,6 +259,24 @@ class Runner:
         check(r.status == 201, "a 255-byte key is a key", r)
         check(self.executions(ok, "plain") == 1, "one execution of the 255-byte key")
 
+    def server_limit(self):
+        """/short: the server takes keys of at most SHORT bytes.  A longer
+        key, within the middleware's 255, is refused by the server (22001):
+        400 as a malformed key, not 503, and nothing runs or is claimed."""
+        m = self.key("short")
+        long_key = m + "x" * (SHORT + 1 - len(m))
+        for _ in range(2):                  # a retry gets the same answer
+            r = self.post("/short/orders", long_key)
+            self.problem(r, 400)
+            check(r.header("retry-after") is None, "no Retry-After", r)
+        check(self.executions(long_key, "short") == 0, "no execution")
+        check(self.key_row(long_key)[0] is None, "nothing claimed")
+        ok = self.key("short")
+        ok += "z" * (SHORT - len(ok))
+        r = self.post("/short/orders", ok)
+        check(r.status == 201, "a key of the server's limit is a key", r)
+        check(self.executions(ok, "short") == 1, "one execution")
+
     def bad_sf_string(self):
         cases = []
         for raw in ('"%s', '"%s\\q"', '"%s"x', '"%s\\"', '"%s" "y"', '"%s\xe9"', '%s\xe9'):
@@ -461,6 +480,8 @@ def main(argv=None):
         ("400 for control characters in the key", r.control_characters),
         ("400 for a key over 255 bytes; 255 bytes is a key", r.too_long),
         ("400 for a bad sf-string or an empty key", r.bad_sf_string),
+        ("400 on /short for a key over the server's idem.max_key_length (64), none claimed",
+         r.server_limit),
         ("409 on /nowait with Retry-After from the lease", r.in_flight_409),
         ("503 with Retry-After on /down and no execution", r.store_down),
         ("sf-string and bare token are one key", r.header_forms),

@@ -173,6 +173,28 @@ function parseKey(value, maxLength = 255) {
   return key;
 }
 
+/**
+ * The SQLSTATE of a key or scope longer than the server's
+ * idem.max_key_length (string_data_right_truncation).  The server is
+ * asked, not a copy of its limit: the setting may differ per role or
+ * database and change at any reload.
+ */
+const KEY_TOO_LONG = '22001';
+
+/**
+ * The server's message when err, the error of a claim made before the
+ * handler ran, is the server refusing the key or the scope (22001: longer
+ * than idem.max_key_length), else null.  A claim's other data errors are
+ * not the request's: the middleware never sends an empty key (22023), and
+ * the lease, retention and wait are the route's settings.
+ */
+function refusedKey(err) {
+  if (err == null || typeof err !== 'object') return null;
+  const code = err.code ?? (err.cause != null ? err.cause.code : null);
+  if (code !== KEY_TOO_LONG) return null;
+  return String(err.message || 'too long');
+}
+
 function problem(res, status, title, detail, headers = {}) {
   res.status(status);
   for (const [k, v] of Object.entries(headers)) res.setHeader(k, v);
@@ -201,6 +223,7 @@ class ResponseNotStored extends Error {
  * stored the response, so a client that has the answer finds it stored.
  */
 function runCaptured(req, res, next, claim, capture, ctx) {
+  capture.started = true; // the claim is made: what fails from here is not the key's
   return new Promise((resolve) => {
     // Transactional mode has no heartbeat: a signal that never aborts.
     const signal = claim.signal || new AbortController().signal;
@@ -406,11 +429,23 @@ function idempotency(poolOrGuard, options = {}) {
           { 'Retry-After': String(retryAfterSeconds(result, retryAfter)) });
       case Outcome.CONFLICT:
         return problem(res, 422, 'Idempotency-Key reused', 'this key was used with a different request');
-      case Outcome.UNAVAILABLE:
+      case Outcome.UNAVAILABLE: {
+        // The server refused the key or the scope (longer than its
+        // idem.max_key_length): a malformed key, which no retry mends.
+        const refused = result.failedStep === 'begin' && !capture.started ? refusedKey(result.error) : null;
+        if (refused !== null && refused.startsWith('scope')) {
+          return problem(res, 400, 'idempotency scope refused', `the idempotency store refuses this request's scope (${refused}):` +
+            ' a scope is at most the server\'s idem.max_key_length bytes');
+        }
+        if (refused !== null) {
+          return problem(res, 400, 'invalid Idempotency-Key', `the idempotency store refuses the ${header} header's key (${refused}):` +
+            ' a key is at most the server\'s idem.max_key_length bytes');
+        }
         // Transactional mode: also after the handler ran, since its writes were rolled back with the claim.
         if (res.headersSent) return res.destroy(); // the handler's answer, partly sent, did not happen
         return problem(res, 503, 'idempotency store unavailable', 'the request was not processed; retry later',
           { 'Retry-After': String(retryAfter) });
+      }
       default: // executed: send what the handler answered (stored, or released)
         if (capture.finish) {
           if (!result.failedStep || result.notStored) setExpires(res, result.expiresAt);

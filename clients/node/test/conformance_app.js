@@ -13,7 +13,7 @@ const fs = require('node:fs');
 
 const WORKERS = 2;
 
-function createApp(pool, downPool) {
+function createApp(pool, downPool, shortPool) {
   const express = require('express');
   const { idempotency, saveRawBody } = require('..');
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
@@ -24,6 +24,7 @@ function createApp(pool, downPool) {
     nowait: idempotency(pool, { ...common, waitFor: 0 }),
     store5xx: idempotency(pool, { ...common, storeStatus: () => true }),
     down: idempotency(downPool, { ...common, timeout: 2000 }),
+    short: idempotency(shortPool, common),
   };
 
   const app = express();
@@ -62,6 +63,7 @@ function createApp(pool, downPool) {
   app.post('/tx/orders', mw.tx, orders('tx', (req) => req.idempotency.client));
   app.post('/nowait/orders', mw.nowait, orders('nowait', () => pool));
   app.post('/down/orders', mw.down, orders('down', () => pool));
+  app.post('/short/orders', mw.short, orders('short', () => pool));
   app.post('/plain/binary', mw.plain, async (req, res, next) => {
     try {
       await work(req, pool, 'binary');
@@ -133,7 +135,10 @@ function worker() {
   // Nothing listens on port 1: connections are refused at once.
   const downPool = new pg.Pool({ host: '127.0.0.1', port: 1, max: 2, connectionTimeoutMillis: 2000 });
   downPool.on('error', () => {});
-  problemOnClientError(createApp(pool, downPool).listen(Number(process.env.IDEM_CONF_PORT) || 0, '127.0.0.1'));
+  // The server's idem.max_key_length lowered to 64 bytes for /short's claims.
+  const shortPool = new pg.Pool({ max: 4, options: '-c idem.max_key_length=64' });
+  shortPool.on('error', () => {});
+  problemOnClientError(createApp(pool, downPool, shortPool).listen(Number(process.env.IDEM_CONF_PORT) || 0, '127.0.0.1'));
 }
 
 if (require.main === module) {

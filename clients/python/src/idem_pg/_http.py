@@ -31,6 +31,28 @@ class BadKey(ValueError):
     """The header's value is no key (doc/http.md): answered 400."""
 
 
+# The SQLSTATE of a key or scope longer than the server's
+# idem.max_key_length (string_data_right_truncation).  The server is asked,
+# not a copy of its limit: the setting may differ per role or database and
+# change at any reload.
+KEY_TOO_LONG = "22001"
+
+
+def refused_key(error: Optional[BaseException]) -> Optional[str]:
+    """The server's message when ``error``, the error of a claim made
+    before the handler ran, is the server refusing the key or the scope
+    (22001: longer than idem.max_key_length), else None.  A claim's other
+    data errors are not the request's: the middleware never sends an empty
+    or NULL key (22023, 22004), and the lease, retention and wait are the
+    route's settings."""
+    state = getattr(error, "sqlstate", None)
+    if state is None and error is not None and error.__cause__ is not None:
+        state = getattr(error.__cause__, "sqlstate", None)
+    if state != KEY_TOO_LONG:
+        return None
+    return str(error).strip() or "too long"
+
+
 def parse_key(value: Optional[str], max_length: int = 255) -> Optional[str]:
     """The key of an Idempotency-Key header value (its bytes as latin-1
     text; None: no header), for ASGI and WSGI alike.  The value is a
@@ -184,6 +206,19 @@ class Settings:
             return parse_key(value, self.max_key_length), None
         except BadKey as exc:
             return None, problem(400, "the %s header is not a key: %s" % (self.header, exc))
+
+    def refused(self, error: Optional[BaseException]) -> Optional[Answer]:
+        """The 400 for a claim the server refused for its key or scope
+        (see refused_key), else None: a malformed key's answer, not 503,
+        which a client would retry for ever."""
+        message = refused_key(error)
+        if message is None:
+            return None
+        if message.startswith("scope"):
+            return problem(400, "the idempotency store refuses the scope of this request "
+                           "(%s)" % message)
+        return problem(400, "the %s header is not a key: the idempotency store refuses it "
+                       "(%s)" % (self.header, message))
 
     @property
     def not_stored(self) -> Response:

@@ -172,6 +172,10 @@ class IdempotencyMiddleware:
         elif result.outcome is Outcome.CONFLICT:
             await self._send(send, *s.conflict())
         elif result.outcome is Outcome.UNAVAILABLE:
+            bad = s.refused(result.error) if result.failed_step == "begin" else None
+            if bad is not None:             # the server's limit: no claim, no handler
+                await self._send(send, *bad)
+                return
             log.warning("idempotency store unavailable for key %r: %s", key, result.error)
             await self._send(send, *s.unavailable())
         else:
@@ -223,6 +227,10 @@ class IdempotencyMiddleware:
             if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
                 # the transaction of the first request still holds the key
                 await self._send(send, *s.in_flight(None))
+                return
+            bad = None if ran else s.refused(err)
+            if bad is not None:             # the server's limit: rolled back, nothing claimed
+                await self._send(send, *bad)
                 return
             log.warning("idempotent transaction for key %r not done (%s); "
                         "nothing is committed", key, err)

@@ -170,6 +170,9 @@ class IdempotencyWSGIMiddleware:
         if result.outcome is Outcome.CONFLICT:
             return self._reply(start_response, *s.conflict())
         if result.outcome is Outcome.UNAVAILABLE:
+            bad = s.refused(result.error) if result.failed_step == "begin" else None
+            if bad is not None:             # the server's limit: no claim, no handler
+                return self._reply(start_response, *bad)
             log.warning("idempotency store unavailable for key %r: %s", key, result.error)
             return self._reply(start_response, *s.unavailable())
         if result.failed_step == "handler" and not isinstance(result.error, NotStored):
@@ -217,6 +220,9 @@ class IdempotencyWSGIMiddleware:
             if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
                 # the transaction of the first request still holds the key
                 return self._reply(start_response, *s.in_flight(None))
+            bad = None if ran else s.refused(err)
+            if bad is not None:             # the server's limit: rolled back, nothing claimed
+                return self._reply(start_response, *bad)
             log.warning("idempotent transaction for key %r not done (%s); "
                         "nothing is committed", key, err)
             return self._reply(start_response, *s.unavailable())

@@ -4,7 +4,7 @@ gunicorn with two uvicorn workers.
 
   /plain     default mode                 /tx        transactional mode
   /nowait    default, wait_for 0          /store5xx  5xx and 429 stored
-  /down      a store nobody listens on
+  /down      a store nobody listens on     /short     the server's idem.max_key_length 64
 
 IDEM_CONF_DSN is the database (conf_orders), IDEM_CONF_DOWN_DSN the
 dead one.
@@ -100,6 +100,7 @@ app.mount("/tx", sub_app("tx", DSN, transactional=True))
 app.mount("/nowait", sub_app("nowait", DSN, wait_for=0))
 app.mount("/store5xx", sub_app("store5xx", DSN, store_status=lambda status: True))
 app.mount("/down", sub_app("down", DOWN_DSN))
+app.mount("/short", sub_app("short", DSN + " options='-c idem.max_key_length=64'"))
 
 
 @app.get("/health")

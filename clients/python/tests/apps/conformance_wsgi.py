@@ -95,4 +95,5 @@ app = DispatcherMiddleware(root, {
     "/nowait": sub_app("nowait", DSN, wait_for=0),
     "/store5xx": sub_app("store5xx", DSN, store_status=lambda status: True),
     "/down": sub_app("down", DOWN_DSN),
+    "/short": sub_app("short", DSN + " options='-c idem.max_key_length=64'"),
 })
