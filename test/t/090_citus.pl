@@ -161,6 +161,33 @@ is($cwaiter->query_safe('SELECT 1'), "f|DONE|201\n1",
 	'wait_for: the duplicate replays the response completed through the coordinator');
 $cwaiter->quit;
 
+# A completion Citus commits with two-phase commit (its transaction also
+# claimed a key on the other worker) wakes the waiter at COMMIT PREPARED,
+# not when its wait_for of five minutes ends.
+my $t2pc = $coord->safe_psql('postgres',
+	q{SELECT token FROM idem_begin('k-wait-2pc', 'fp', lease => '1 hour')});
+my ($p2pc) = placement($coord, 'postgres', 'idem.keys', 'k-wait-2pc');
+my $n2pc = $p2pc == $w1->port ? $w1 : $w2;
+my ($elsewhere) = grep { (placement($coord, 'postgres', 'idem.keys', $_))[0] != $p2pc }
+  map { "k-other-$_" } 1 .. 64;
+my $w2pc = $coord->background_psql('postgres');
+$w2pc->query_until(qr/start/, q{
+	\echo start
+	SELECT claimed, state, status FROM idem_begin('k-wait-2pc', 'fp', wait_for => '5 min');
+});
+ok( $n2pc->poll_query_until('postgres', q{
+	SELECT count(*) > 0 FROM pg_stat_activity
+	 WHERE wait_event_type = 'Extension' AND query LIKE '%idem_begin%'}),
+	'2PC: the duplicate waits on the worker that holds the key');
+$coord->safe_psql('postgres', qq{
+	BEGIN;
+	SELECT claimed FROM idem_begin('$elsewhere', 'fp');
+	SELECT idem_complete('k-wait-2pc', 'fp', 202, 'y', $t2pc);
+	COMMIT;});
+is($w2pc->query_safe('SELECT 1'), "f|DONE|202\n1",
+	'2PC: COMMIT PREPARED wakes the duplicate, which replays the response');
+$w2pc->quit;
+
 my ($port, $shard) = placement($coord, 'postgres', 'idem.keys', 'k-basic');
 my ($key_node, $other_node) = $port == $w1->port ? ($w1, $w2) : ($w2, $w1);
 is(rows_on($key_node, 'postgres', 'idem.keys', q{key = 'k-basic'}), '1',
