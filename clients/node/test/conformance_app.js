@@ -130,8 +130,11 @@ function worker() {
   // Retries waiting for an answer hold a connection each.
   const pool = new pg.Pool({ max: 20 });
   pool.on('error', () => {});
-  // Nothing listens on port 1: connections are refused at once.
-  const downPool = new pg.Pool({ host: '127.0.0.1', port: 1, max: 2, connectionTimeoutMillis: 2000 });
+  // A socket directory with no server in it (test.sh's own, IDEM_TEST_DOWN_HOST):
+  // connections fail at once, and no other server can answer them.
+  const downPool = new pg.Pool({
+    host: process.env.IDEM_TEST_DOWN_HOST || '/nonexistent-idem-socket-dir', port: 1, max: 2, connectionTimeoutMillis: 2000,
+  });
   downPool.on('error', () => {});
   problemOnClientError(createApp(pool, downPool).listen(Number(process.env.IDEM_CONF_PORT) || 0, '127.0.0.1'));
 }
