@@ -1,3 +1,4 @@
+# shellcheck shell=sh
 # Sourced (. test/ports.sh) by every script that starts servers for a
 # test suite, so that two suites on one machine (two checkouts, two
 # `make test` at once) never reach each other's servers:
