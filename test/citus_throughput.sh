@@ -124,7 +124,16 @@ chmod 755 "$work"
 out=${TPUT_OUT:-$work/results.txt}
 : >"$out"
 nodes="single coord w1 w2"
-declare -A port=([single]=57401 [coord]=57402 [w1]=57403 [w2]=57404)
+# The nodes reach each other over TCP on 127.0.0.1: on four free ports
+# (test/ports.sh, which also clears the libpq environment); a node that
+# cannot bind its port does not start, and the run stops there.
+. "$top/test/ports.sh"
+declare -A port=()
+for n in $nodes; do
+	p=$(free_port) || exit 1
+	while [[ " ${port[*]-} " == *" $p "* ]]; do p=$(free_port) || exit 1; done
+	port[$n]=$p
+done
 
 as_owner() {
 	if [ "$(id -u)" -eq 0 ]; then

@@ -15,6 +15,8 @@ $sudo make -s install >/dev/null
 
 dir=/tmp/idem-demo.$$
 port=${IDEM_DEMO_PORT:-54329}
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$top/test/ports.sh"
 bindir=$(pg_config --bindir)
 trap 'sh "$top/test/cluster.sh" stop "$dir"; rm -rf "$dir"' EXIT
 trap 'exit 130' INT TERM
@@ -25,6 +27,7 @@ sh test/cluster.sh start "$dir" "$port"
 # setting: it connects as the cluster's superuser.
 conninfo="host=$dir port=$port user=postgres dbname=postgres"
 "$bindir/psql" -X -q -d "$conninfo" -c 'CREATE EXTENSION idem'
-# No server listens on the next port: the store is down.
+# No server listens on the next port's socket in the cluster's directory:
+# the store is down.
 down="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
 test/demo/idem_demo "$conninfo" "$down"

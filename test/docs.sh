@@ -31,8 +31,9 @@
 # Install block also runs with "\set schema public", followed by a call
 # as app.
 #
-# The cluster listens on port 55462 (IDEM_DOCS_PORT), without the purge
-# worker.  The extension must be installed (make install).  Prints
+# The cluster listens on port 55462 (IDEM_DOCS_PORT) of a Unix socket in
+# the suite's own directory, on no TCP port, without the purge worker; a
+# "serve=" block's server on a free port (test/docs/serve.cjs).  The extension must be installed (make install).  Prints
 # "ok N - FILE:LINE" or "not ok N - FILE:LINE" per test (the output of a
 # failure after it, as "# " lines; with IDEM_DOCS_VERBOSE=1 that of every
 # block), then "N passed, N failed"; exits
@@ -41,6 +42,8 @@ set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top" || exit 2
 port=${IDEM_DOCS_PORT:-55462}
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$top/test/ports.sh"
 py=/usr/bin/python3
 docs=$top/test/docs
 work=$(mktemp -d /tmp/idem-docs.XXXXXX) || exit 2

@@ -23,16 +23,18 @@
 #   serves every metric the file defines with its type, and every metric
 #   the dashboard reads, for the database app.
 #
-# The cluster listens on port 55472 (IDEM_MONITORING_PORT), the exporter on
-# 127.0.0.1 and the next port.  The extension must be installed (make
-# install).  Prints "ok N - ..." or "not ok N - ..." per check, then
+# The cluster listens on port 55472 (IDEM_MONITORING_PORT) of a Unix
+# socket in the suite's own directory, on no TCP port; the exporter on a
+# free port of 127.0.0.1 (port 0: it logs the one it got).  The extension
+# must be installed (make install).  Prints "ok N - ..." or "not ok N - ..." per check, then
 # "N passed, N failed"; exits non-zero on any failure.  Every process it
 # starts is stopped on exit.
 set -u
 top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top" || exit 2
 port=${IDEM_MONITORING_PORT:-55472}
-eport=$((port + 1))
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$top/test/ports.sh"
 py=/usr/bin/python3
 yaml=$top/contrib/prometheus/idem_queries.yaml
 dash=$top/contrib/grafana/idem.json
@@ -366,13 +368,17 @@ if [ -z "$exporter" ]; then
 	finish
 fi
 DATA_SOURCE_NAME="user=prometheus host=$dir port=$port dbname=app sslmode=disable" \
-	"$exporter" --web.listen-address="127.0.0.1:$eport" --extend.query-path="$yaml" \
+	"$exporter" --web.listen-address=127.0.0.1:0 --extend.query-path="$yaml" \
 	>"$work/exporter.log" 2>&1 &
-pids="$pids $!"
+epid=$!
+pids="$pids $epid"
 i=0
+eport=
 : >"$work/scrape"
-while [ "$i" -lt 300 ]; do
-	if "$py" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
+while [ "$i" -lt 300 ] && kill -0 "$epid" 2>/dev/null; do
+	[ -n "$eport" ] ||
+		eport=$(sed -n 's/.*msg="Listening on" address=127\.0\.0\.1:\([0-9][0-9]*\).*/\1/p' "$work/exporter.log" | head -n 1)
+	if [ -n "$eport" ] && "$py" -c 'import sys, urllib.request; sys.stdout.write(urllib.request.urlopen(sys.argv[1], timeout=10).read().decode())' \
 		"http://127.0.0.1:$eport/metrics" >"$work/scrape" 2>/dev/null &&
 		grep -q '^pg_up 1$' "$work/scrape"; then
 		break

@@ -1,7 +1,8 @@
 #!/bin/sh
 # Build with warnings as errors, install, and run every test suite:
 # pg_regress, isolation, TAP, the Go, Python and Node clients' suites,
-# the documentation's code blocks, and the monitoring queries and dashboard.  As root, the suites run as the user
+# the documentation's code blocks, and the monitoring queries and dashboard,
+# then the port check (no suite reached a server it did not start).  As root, the suites run as the user
 # idemtest, and pg_regress and isolation once more as the user idemcheck
 # (no expected output depends on the user's name).
 # Ends with "N passed, N failed".
@@ -68,12 +69,51 @@ fi
 # and the dashboard (test/monitoring.sh), each against its own throwaway
 # cluster, on the host's PostgreSQL only (the version matrix sets
 # IDEM_CLIENTS=no).  Each ends with its own "N passed, N failed" line.
+#
+# The port check: two suites on one machine (two checkouts, two make test
+# at once) must not reach each other's servers.  While the suites run, a
+# decoy (test/decoy.pl) holds the TCP ports they once took for themselves
+# (a Python or Node app, pgbouncer, the exporter), where free, and the
+# libpq environment (PGHOST, PGHOSTADDR, PGPORT) names the decoy: a suite
+# that still needs a fixed port fails for want of it, and a connection of
+# a suite to a server it did not start (on a fixed port, or by a libpq
+# variable let through) reaches the decoy, which fails the check.  (Not
+# 5432: a PostgreSQL of the machine's may have to start there meanwhile.)
 if [ "${IDEM_CLIENTS:-yes}" != no ]; then
+	decoy_log=$(mktemp /tmp/idem-decoy.XXXXXX)
+	perl test/decoy.pl "$decoy_log" 55443 55444 55445 55453 55473 &
+	decoy=$!
+	i=0
+	until grep -q '^ready$' "$decoy_log" || [ "$i" -ge 100 ]; do
+		sleep 0.1
+		i=$((i + 1))
+	done
+	decoy_port=$(sed -n 's/^port //p' "$decoy_log")
 	for t in clients/go/test.sh clients/python/test.sh clients/node/test.sh test/docs.sh \
 		test/monitoring.sh; do
 		echo "== $t" | tee -a "$log.clients"
-		{ sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
+		{ PGHOST=127.0.0.1 PGHOSTADDR=127.0.0.1 PGPORT=${decoy_port:-1} PGUSER=decoy PGDATABASE=decoy \
+			sh "$t" 2>&1; echo "client exit status $?"; } | tee -a "$log.clients"
 	done
+	kill "$decoy" 2>/dev/null
+	wait "$decoy" 2>/dev/null
+	{
+		echo "== port-check"
+		if [ -n "$decoy_port" ] && ! grep -q '^connection ' "$decoy_log"; then
+			busy=$(sed -n 's/^busy //p' "$decoy_log" | tr '\n' ' ')
+			echo "ok - the client suites needed none of the decoy's ports and connected to none${busy:+ (taken already: ${busy% })}"
+			echo "1 passed, 0 failed"
+			echo "client exit status 0"
+		else
+			[ -n "$decoy_port" ] || echo "port check: the decoy did not start"
+			awk '/^connection / { n[$4]++ }
+				END { for (p in n) print "port check: " n[p] " connections of a suite to the decoy on port " p }' \
+				"$decoy_log"
+			echo "0 passed, 1 failed"
+			echo "client exit status 1"
+		fi
+	} | tee -a "$log.clients"
+	rm -f "$decoy_log"
 fi
 
 # Count test cases: pg_regress and isolation lines (the "test x ... ok" of
@@ -88,7 +128,7 @@ failed=$(grep -Ec "$fail_re" "$log")
 	[ "$failed" -gt 0 ] || failed=1
 # What failed, last, where a log's tail shows it: the failing cases and
 # tests of every suite and each client suite's count.
-failures=$(grep -hE "$fail_re"'|^--- FAIL|^(FAILED|ERROR) |^exit status [1-9]|did not (answer|start)|^test\.sh: |^go client: |^[0-9]+ passed, [1-9][0-9]* failed$' \
+failures=$(grep -hE "$fail_re"'|^--- FAIL|^(FAILED|ERROR) |^exit status [1-9]|did not (answer|start)|^test\.sh: |^go client: |^port check: |is in use: |^[0-9]+ passed, [1-9][0-9]* failed$' \
 	"$log" "$log.clients" 2>/dev/null | head -n 40)
 [ -f "$log.clients" ] && echo "== suites" &&
 	awk '/^== / { name = $2 } /^[0-9]+ passed, [0-9]+ failed$/ { last = $0 }

@@ -3,7 +3,8 @@
 #
 #   sh clients/go/test.sh
 #
-# The cluster listens on port 55432 unless IDEM_GO_TEST_PORT names another.
+# The cluster listens on port 55432 unless IDEM_GO_TEST_PORT names another,
+# on a Unix socket in the suite's own directory and on no TCP port.
 # IDEM_GO_TESTS, when set, is passed to go test -run (a regular expression
 # of test names): IDEM_GO_TESTS=TestDoTx sh clients/go/test.sh
 #
@@ -19,7 +20,9 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 port=${IDEM_GO_TEST_PORT:-55432}
-dir=/tmp/idem-go-cluster.$$
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$root/test/ports.sh"
+dir=$(mktemp -d /tmp/idem-go-cluster.XXXXXX) || { echo "0 passed, 1 failed"; exit 1; }
 work=
 gotest=
 done_cleanup=

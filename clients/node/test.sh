@@ -5,7 +5,8 @@
 #
 # Installs Debian's nodejs and npm if node or npm is missing (Node 18 or
 # later), the locked npm modules (npm ci), starts a cluster on port 55452
-# (IDEM_NODE_PORT) under /tmp with test/cluster.sh, creates the extension
+# (IDEM_NODE_PORT) under /tmp with test/cluster.sh (a Unix socket in the
+# suite's own directory, no TCP port), creates the extension
 # (which must be installed: make && make install), runs node --test (in
 # its UTF8 database and again in test/odd_database.sql's), then
 # test/http/conformance.py against test/conformance_app.js and tsc --strict
@@ -17,9 +18,14 @@ set -u
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
 port=${IDEM_NODE_PORT:-55452}
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$root/test/ports.sh"
 work=$(mktemp -d /tmp/idem-node.XXXXXX)
 chmod 755 "$work"
 pgdir="$work/pg"
+# A socket directory nothing listens in: the tests' "store is down".
+mkdir "$work/down"
+export IDEM_TEST_DOWN_HOST="$work/down"
 pids="$work/app-pids"
 : >"$pids"
 
@@ -126,15 +132,19 @@ suite postgres
 suite idem_odd
 
 # The conformance app of test/http/README.md (test/conformance_app.js: two
-# workers under node:cluster, a killed one forked again) on port + 1
-# (IDEM_CONF_PORT), checked by test/http/conformance.py (IDEM_CONFORMANCE
+# workers under node:cluster, a killed one forked again) on a free port of
+# 127.0.0.1 (port 0: the app writes the port it got to conf.ready), or on
+# IDEM_CONF_PORT when set (the suite fails at once if that port is taken),
+# checked by test/http/conformance.py (IDEM_CONFORMANCE
 # names another runner); skipped when the runner is missing.
 runner=${IDEM_CONFORMANCE:-$root/test/http/conformance.py}
 if [ -f "$runner" ] && [ -z "${IDEM_NODE_TESTS:-}" ]; then
-	app_port=${IDEM_CONF_PORT:-$((port + 1))}
+	app_port=${IDEM_CONF_PORT:-0}
 	conf_passed=0
 	conf_failed=1
-	if psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE TABLE conf_orders (id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' \
+	if [ "$app_port" != 0 ] && ! port_free "$app_port" IDEM_CONF_PORT; then
+		echo "test.sh: the conformance app cannot listen on port $app_port" >&2
+	elif psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE TABLE conf_orders (id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' \
 		>"$work/conf-psql.log" 2>&1; then
 		IDEM_CONF_PORT=$app_port IDEM_CONF_READY="$work/conf.ready" $newgroup sh -c 'echo $$ >"$0"; exec node test/conformance_app.js' "$work/conf-app.pid" \
 			>"$work/conf-app.log" 2>&1 </dev/null &
@@ -144,6 +154,7 @@ if [ -f "$runner" ] && [ -z "${IDEM_NODE_TESTS:-}" ]; then
 			i=$((i + 1))
 		done
 		if [ -s "$work/conf.ready" ]; then
+			app_port=$(cat "$work/conf.ready")
 			python3 "$runner" --url "http://127.0.0.1:$app_port" \
 				--dsn "host=$pgdir port=$port user=postgres dbname=postgres" 2>&1 | tee "$work/conf.log"
 			summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/conf.log" | tail -n 1)

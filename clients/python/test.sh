@@ -4,15 +4,18 @@
 #   sh clients/python/test.sh
 #
 # Installs the Debian packages it needs if any is missing, starts a cluster
-# (test/cluster.sh, port 55442) with the idem extension, which must already
-# be installed (make && make install), and pgbouncer in transaction
-# pooling in front of it (port 55445, IDEM_PY_PORT + 3); runs pytest with
-# /usr/bin/python3 in the cluster's UTF8 database and again in
+# (test/cluster.sh, port 55442, IDEM_PY_PORT) with the idem extension, which
+# must already be installed (make && make install), and pgbouncer in
+# transaction pooling in front of it; both listen only on Unix sockets in
+# the suite's own directory (pgbouncer's on IDEM_PY_PORT + 3), so that
+# another suite's servers, on the same ports, are out of reach.  Runs
+# pytest with /usr/bin/python3 in the cluster's UTF8 database and again in
 # test/odd_database.sql's, then serves the conformance app
 # (tests/apps/conformance_*.py) for ASGI
 # (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
-# with two workers) on ports 55443 and 55444 (IDEM_PY_PORT + 1, + 2) and
-# runs test/http/conformance.py against each.  Stops the cluster and every
+# with two workers), each on a free TCP port of 127.0.0.1 (gunicorn binds
+# port 0 and names the one it got), and runs test/http/conformance.py
+# against each.  Stops the cluster and every
 # app server it started on exit and prints "N passed, N failed" for all of
 # it.  Exits non-zero on any failure.
 set -u
@@ -20,7 +23,9 @@ here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/../.." && pwd)
 py=/usr/bin/python3
 port=${IDEM_PY_PORT:-55442}
-dir=/tmp/idem-python.$$
+# No libpq variable of the caller's reaches a connection (test/ports.sh).
+. "$top/test/ports.sh"
+dir=$(mktemp -d /tmp/idem-python.XXXXXX) || { echo "0 passed, 1 failed"; exit 1; }
 
 # 1. Debian packages (python3 here is /usr/bin's; a pyenv on PATH does not
 #    see them).
@@ -106,16 +111,17 @@ odd_dsn="host=$dir port=$port user=postgres dbname=idem_odd"
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -f "$top/test/odd_database.sql" ||
 	{ echo "0 passed, 1 failed"; exit 1; }
 # pgbouncer in transaction pooling in front of every database of the
-# cluster, on port + 3, for tests/test_pgbouncer.py.  It refuses to run as
-# root: as root it runs as the cluster's user.
+# cluster, for tests/test_pgbouncer.py: on a Unix socket in $dir (port + 3
+# names it) and on no TCP port.  It refuses to run as root: as root it runs
+# as the cluster's user.
 bport=$((port + 3))
 cat >"$dir/pgbouncer.ini" <<-INI
 	[databases]
 	* = host=$dir port=$port
 	[pgbouncer]
-	listen_addr = 127.0.0.1
+	listen_addr =
 	listen_port = $bport
-	unix_socket_dir =
+	unix_socket_dir = $dir
 	auth_type = trust
 	auth_file = $dir/pgbouncer.users
 	pool_mode = transaction
@@ -132,8 +138,25 @@ if [ "$(id -u)" -eq 0 ]; then
 else
 	sh -c "$bouncer"
 fi || { cat "$dir/pgbouncer.log" >&2; echo "0 passed, 1 failed"; exit 1; }
-export IDEM_TEST_PGBOUNCER_DSN="host=127.0.0.1 port=$bport user=postgres connect_timeout=5"
-# Nobody listens on this socket: the store is down.
+# The daemon binds its socket after the starting process returned: wait
+# for this pgbouncer (its pid file, its socket, an answer) before a test
+# uses it.
+i=0
+until [ -s "$dir/pgbouncer.pid" ] && kill -0 "$(cat "$dir/pgbouncer.pid")" 2>/dev/null &&
+	"$bindir/psql" -X -q -A -t -d "host=$dir port=$bport user=postgres dbname=postgres connect_timeout=2" \
+		-c 'SELECT 1' >/dev/null 2>&1; do
+	i=$((i + 1))
+	if [ "$i" -ge 100 ]; then
+		echo "pgbouncer did not start on $dir/.s.PGSQL.$bport" >&2
+		cat "$dir/pgbouncer.log" >&2
+		echo "0 passed, 1 failed"
+		exit 1
+	fi
+	sleep 0.1
+done
+export IDEM_TEST_PGBOUNCER_DSN="host=$dir port=$bport user=postgres connect_timeout=5"
+# Nothing listens on this socket of the suite's own directory (neither the
+# cluster nor pgbouncer): the store is down.
 export IDEM_TEST_DOWN_DSN="host=$dir port=$((port + 1)) user=postgres dbname=postgres connect_timeout=2"
 export IDEM_TEST_PIDFILE="$dir/app.pids"
 export PYTHONDONTWRITEBYTECODE=1
@@ -179,28 +202,40 @@ suite odd "$odd_dsn" "$@"
 # 5. The conformance runner against each stack's app under gunicorn.
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE TABLE conf_orders
 	(id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' || failed=$((failed + 1))
-conform() { # NAME PORT GUNICORN_ARGS...: serve, run the runner, stop
+conform() { # NAME GUNICORN_ARGS...: serve, run the runner, stop
 	name=$1
-	aport=$2
-	shift 2
+	shift
+	# Port 0: the kernel gives gunicorn a free port, which it logs
+	# ("Listening at: http://127.0.0.1:PORT (PID)") before the app answers.
 	IDEM_CONF_DSN="$dsn" IDEM_CONF_DOWN_DSN="$IDEM_TEST_DOWN_DSN" \
 		PYTHONPATH="$here/src:$here/tests" \
-		"$py" -m gunicorn -w 2 -b "127.0.0.1:$aport" --chdir "$here/tests" \
+		"$py" -m gunicorn -w 2 -b 127.0.0.1:0 --chdir "$here/tests" \
 		--graceful-timeout 5 "$@" >"$dir/gunicorn-$name.log" 2>&1 &
 	gunicorn_pid=$!
 	echo "$gunicorn_pid" >>"$IDEM_TEST_PIDFILE"
-	if ! "$py" - "$aport" <<-'EOF'; then
-		import http.client, sys, time
+	if ! "$py" - "$dir/gunicorn-$name.log" "$gunicorn_pid" >"$dir/port-$name" <<-'EOF'; then
+		import http.client, os, re, sys, time
+		log, pid = sys.argv[1], int(sys.argv[2])
+		port = None
 		for _ in range(600):
 		    try:
-		        c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=5)
-		        c.request("GET", "/health")
-		        if c.getresponse().status == 200:
-		            sys.exit(0)
+		        os.kill(pid, 0)
 		    except OSError:
-		        pass
+		        sys.exit("gunicorn exited")
+		    if port is None:
+		        m = re.search(r"Listening at: http://127\.0\.0\.1:(\d+) \(%d\)" % pid, open(log).read())
+		        port = m and int(m.group(1))
+		    if port is not None:
+		        try:
+		            c = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+		            c.request("GET", "/health")
+		            if c.getresponse().status == 200:
+		                print(port)
+		                sys.exit(0)
+		        except OSError:
+		            pass
 		    time.sleep(0.1)
-		sys.exit(1)
+		sys.exit("no answer on port %s" % port)
 	EOF
 		echo "$name: the app did not answer" >&2
 		tail -20 "$dir/gunicorn-$name.log" >&2
@@ -208,6 +243,7 @@ conform() { # NAME PORT GUNICORN_ARGS...: serve, run the runner, stop
 		stop_gunicorn
 		return
 	fi
+	aport=$(cat "$dir/port-$name")
 	echo "# conformance: $name"
 	PSQL="$bindir/psql" "$py" "$top/test/http/conformance.py" \
 		--url "http://127.0.0.1:$aport" --dsn "$dsn" >"$dir/conformance-$name.log" 2>&1
@@ -224,8 +260,8 @@ conform() { # NAME PORT GUNICORN_ARGS...: serve, run the runner, stop
 		tail -20 "$dir/gunicorn-$name.log"
 	fi
 }
-conform asgi $((port + 1)) -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
-conform wsgi $((port + 2)) apps.conformance_wsgi:app
+conform asgi -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
+conform wsgi apps.conformance_wsgi:app
 
 
 # 6. mypy over the package (its own count line, added to the total).

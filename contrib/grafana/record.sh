@@ -7,8 +7,8 @@
 # port 55474, RECORD_PORT), the database app with the extension in
 # idem_api, the role prometheus with the grants of doc/operations.md
 # (Graphs), and prometheus-postgres-exporter with
-# contrib/prometheus/idem_queries.yaml (127.0.0.1:55475,
-# RECORD_EXPORTER_PORT).  Scrapes /metrics every second for
+# contrib/prometheus/idem_queries.yaml (on 127.0.0.1 and a free port, or
+# RECORD_EXPORTER_PORT, which must be free).  Scrapes /metrics every second for
 # RECORD_SECONDS + 20 s (default 60 + 20); from the 5th second pgbench
 # runs the scripts of contrib/grafana/load/ for RECORD_SECONDS: new
 # requests, retries that replay, a key reused for another request,
@@ -26,7 +26,15 @@ set -eu
 top=$(cd "$(dirname "$0")/../.." && pwd)
 out=${1:-$top/doc/img/dashboard.png}
 port=${RECORD_PORT:-55474}
-eport=${RECORD_EXPORTER_PORT:-55475}
+# No libpq variable of the caller's reaches a connection; free_port and
+# port_free (test/ports.sh).
+. "$top/test/ports.sh"
+if [ -n "${RECORD_EXPORTER_PORT:-}" ]; then
+	eport=$RECORD_EXPORTER_PORT
+	port_free "$eport" RECORD_EXPORTER_PORT || exit 2
+else
+	eport=$(free_port)
+fi
 secs=${RECORD_SECONDS:-60}
 bindir=$(pg_config --bindir)
 exporter=$(command -v prometheus-postgres-exporter) || {
@@ -68,7 +76,22 @@ DATA_SOURCE_NAME="user=prometheus host=$dir port=$port dbname=app sslmode=disabl
 	"$exporter" --web.listen-address="127.0.0.1:$eport" \
 	--extend.query-path="$top/contrib/prometheus/idem_queries.yaml" \
 	>"$work/exporter.log" 2>&1 &
-pids="$pids $!"
+epid=$!
+pids="$pids $epid"
+# This exporter, not another server, answers on the port: it is still
+# running once it listens.
+i=0
+until grep -q 'msg="Listening on"' "$work/exporter.log"; do
+	i=$((i + 1))
+	if ! kill -0 "$epid" 2>/dev/null || [ "$i" -ge 100 ]; then
+		echo "record.sh: the exporter did not start on 127.0.0.1:$eport" >&2
+		cat "$work/exporter.log" >&2
+		exit 1
+	fi
+	sleep 0.1
+done
+sleep 0.5
+kill -0 "$epid" 2>/dev/null || { cat "$work/exporter.log" >&2; exit 1; }
 
 load=$top/contrib/grafana/load
 pgbench() { "$bindir/pgbench" -n -h "$dir" -p "$port" -U postgres "$@" app; }

@@ -17,8 +17,13 @@ set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/../.." && pwd)
-dir=${BENCH_DIR:-/tmp/idem-bench}
+# The cluster's directory (its Unix socket; the cluster has no TCP port):
+# a new one unless BENCH_DIR names it.
+dir=${BENCH_DIR:-$(mktemp -d /tmp/idem-bench.XXXXXX)}
 port=${BENCH_PORT:-54329}
+# No libpq variable of the caller's reaches a connection; free_port
+# (test/ports.sh).
+. "$top/test/ports.sh"
 secs=${BENCH_SECONDS:-30}
 runs=${BENCH_RUNS:-3}
 bulk=${BENCH_BULK:-200000}
@@ -37,6 +42,7 @@ chmod 777 "$work"
 
 cleanup() {
 	sh "$top/test/cluster.sh" stop "$dir"
+	[ -n "${BENCH_DIR:-}" ] || rm -rf "$dir"
 	rm -rf "$work"
 }
 trap cleanup EXIT
@@ -436,16 +442,17 @@ judge "6 size after 6 windows / after 1" "$(ratio "$s5" "$s1")" "<=" 1.5
 # one-transaction helper against a hand-written key table in the same
 # transaction and against Redis SET NX beside PostgreSQL, 8 worker
 # processes, new keys and then replays, interleaved rounds.  Redis is
-# Debian's redis-server, started here on a private socket-less port and
-# stopped on exit; without it (or python3-redis) the rows are skipped.
+# Debian's redis-server, started here on a free TCP port of 127.0.0.1 and
+# stopped on exit (the run fails if it did not start on that port); without it (or python3-redis) the rows are skipped.
 e2e_requests=${BENCH_E2E_REQUESTS:-2000}
 [ -n "${BENCH_SMOKE:-}" ] && e2e_requests=50
 if command -v redis-server >/dev/null && /usr/bin/python3 -c 'import redis, psycopg' 2>/dev/null; then
-	redis_port=$((port + 1))
+	redis_port=$(free_port)
 	redis-server --port "$redis_port" --bind 127.0.0.1 --save '' --appendonly no \
 		--daemonize yes --pidfile "$work/redis.pid" --dir "$work" --logfile "$work/redis.log"
-	for _ in $(seq 50); do [ -s "$work/redis.pid" ] && break; sleep 0.1; done
-	redis_pid=$(cat "$work/redis.pid")
+	for _ in $(seq 50); do grep -q 'Ready to accept connections' "$work/redis.log" 2>/dev/null && break; sleep 0.1; done
+	redis_pid=$(cat "$work/redis.pid" 2>/dev/null) && kill -0 "$redis_pid" 2>/dev/null ||
+		{ echo "redis-server did not start on 127.0.0.1:$redis_port" >&2; cat "$work/redis.log" >&2; exit 1; }
 	trap 'kill "$redis_pid" 2>/dev/null; cleanup' EXIT
 	e2e=$(PYTHONPATH="$top/clients/python/src" /usr/bin/python3 "$here/e2e.py" \
 		--dsn "host=$dir port=$port user=postgres dbname=bench" \

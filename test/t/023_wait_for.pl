@@ -140,7 +140,10 @@ SKIP:
 	skip "$pgbouncer is not installed (test/deps.sh installs it)", 2
 	  unless -x $pgbouncer;
 	my $user = getpwuid($<);
-	my $bport = PostgreSQL::Test::Cluster::get_free_port();
+	# On a Unix socket in a directory of its own, on no TCP port: no other
+	# suite's server can answer in its place.
+	my $bdir = PostgreSQL::Test::Utils::tempdir_short();
+	my $bport = 6432;
 	my ($host, $port) = ($node->host, $node->port);
 	PostgreSQL::Test::Utils::append_to_file("$dir/userlist.txt", qq{"$user" ""\n});
 	PostgreSQL::Test::Utils::append_to_file("$dir/pgbouncer.ini", <<"INI");
@@ -148,9 +151,9 @@ SKIP:
 postgres = host=$host port=$port dbname=postgres
 
 [pgbouncer]
-listen_addr = 127.0.0.1
+listen_addr =
 listen_port = $bport
-unix_socket_dir =
+unix_socket_dir = $bdir
 auth_type = trust
 auth_file = $dir/userlist.txt
 pool_mode = transaction
@@ -183,7 +186,7 @@ INSERT INTO answers SELECT claimed, state, body
 	$bench = IPC::Run::start(
 		[
 			'pgbench', '-n', '-c', 20, '-j', 2, '-t', 1, '-f', $script2,
-			'-h', '127.0.0.1', '-p', $bport, 'postgres'
+			'-h', $bdir, '-p', $bport, 'postgres'
 		],
 		'>', \$out, '2>', \$err);
 	my $slept = waiters_sleep(20);

@@ -20,10 +20,14 @@ ok(-x $demo, 'demo program is built');
 
 my $node = idem_node('bounced');
 
-# pgbouncer as this (non-root) user, trusting local clients on 127.0.0.1.
+# pgbouncer as this (non-root) user, trusting its clients, on a Unix
+# socket in a directory of this test's own (short, for the socket path)
+# and on no TCP port: no other suite's server can answer in its place, and
+# the port only names the socket.
 my $user = getpwuid($<);
 my $dir = PostgreSQL::Test::Utils::tempdir();
-my $bport = PostgreSQL::Test::Cluster::get_free_port();
+my $bdir = PostgreSQL::Test::Utils::tempdir_short();
+my $bport = 6432;
 my $node_host = $node->host;
 my $node_port = $node->port;
 open(my $fh, '>', "$dir/userlist.txt") or die $!;
@@ -35,9 +39,9 @@ print $fh <<"INI";
 postgres = host=$node_host port=$node_port dbname=postgres
 
 [pgbouncer]
-listen_addr = 127.0.0.1
+listen_addr =
 listen_port = $bport
-unix_socket_dir =
+unix_socket_dir = $bdir
 auth_type = trust
 auth_file = $dir/userlist.txt
 admin_users = $user
@@ -85,14 +89,14 @@ END
 }
 ok($bouncer_pid, 'pgbouncer wrote its pid file');
 
-my $bconn = "host=127.0.0.1 port=$bport dbname=postgres";
+my $bconn = "host=$bdir port=$bport dbname=postgres";
 
 # Run psql through pgbouncer; returns (exit code, stdout, stderr).
 sub bpsql
 {
 	my ($sql, $db) = @_;
 	my ($out, $err);
-	my $conn = "host=127.0.0.1 port=$bport dbname=" . ($db // 'postgres');
+	my $conn = "host=$bdir port=$bport dbname=" . ($db // 'postgres');
 	IPC::Run::run([ 'psql', '-X', '-A', '-t', '-q', '-v', 'ON_ERROR_STOP=1',
 			'-d', $conn, '-c', $sql ],
 		'>', \$out, '2>', \$err);
@@ -110,9 +114,9 @@ foreach (1 .. 10 * $PostgreSQL::Test::Utils::timeout_default)
 ok($ready, 'pgbouncer accepts connections');
 
 # The demo's four scenarios through pgbouncer.
-my $down = 'host=127.0.0.1 port='
-  . PostgreSQL::Test::Cluster::get_free_port()
-  . ' dbname=postgres connect_timeout=2';
+# No server listens in this directory of the test's own: the store is down.
+my $down = 'host=' . PostgreSQL::Test::Utils::tempdir_short()
+  . ' port=1 dbname=postgres connect_timeout=2';
 my ($out, $err);
 my $demo_ok = IPC::Run::run([ $demo, $bconn, $down, 'bouncer' ],
 	'>', \$out, '2>', \$err);
@@ -169,7 +173,7 @@ my @before = split /\|/, $node->safe_psql('postgres', $stats_sql);
 my ($bout, $berr);
 my $bench_ok = IPC::Run::run(
 	[ 'pgbench', '-n', '-M', 'extended', '-c', '4', '-j', '2', '-t', '50',
-	  '-f', $script, '-h', '127.0.0.1', '-p', $bport, 'postgres' ],
+	  '-f', $script, '-h', $bdir, '-p', $bport, 'postgres' ],
 	'>', \$bout, '2>', \$berr);
 ok($bench_ok, 'pgbench exits 0 through pgbouncer') or diag("$bout\n$berr");
 like($bout, qr/number of transactions actually processed: 200\/200/,

@@ -477,7 +477,8 @@ func TestTypedErrors(t *testing.T) {
 
 func TestUnavailable(t *testing.T) {
 	t.Run("connection_refused", func(t *testing.T) {
-		pool := newPool(t, "host=/tmp/idem-go-no-such-server port=1 user=postgres dbname=postgres connect_timeout=2", nil, true)
+		// A socket directory of the test's own, with no server in it.
+		pool := newPool(t, "host="+t.TempDir()+" port=1 user=postgres dbname=postgres connect_timeout=2", nil, true)
 		g := &Guard{Store: NewPostgresStore(pool), Lease: time.Second, Retention: time.Hour}
 		var calls atomic.Int32
 		start := time.Now()

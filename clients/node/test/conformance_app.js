@@ -132,8 +132,11 @@ function worker() {
   // Retries waiting for an answer hold a connection each.
   const pool = new pg.Pool({ max: 20 });
   pool.on('error', () => {});
-  // Nothing listens on port 1: connections are refused at once.
-  const downPool = new pg.Pool({ host: '127.0.0.1', port: 1, max: 2, connectionTimeoutMillis: 2000 });
+  // A socket directory with no server in it (test.sh's own, IDEM_TEST_DOWN_HOST):
+  // connections fail at once, and no other server can answer them.
+  const downPool = new pg.Pool({
+    host: process.env.IDEM_TEST_DOWN_HOST || '/nonexistent-idem-socket-dir', port: 1, max: 2, connectionTimeoutMillis: 2000,
+  });
   downPool.on('error', () => {});
   // The server's idem.max_key_length lowered to 64 bytes for /short's claims.
   const shortPool = new pg.Pool({ max: 4, options: '-c idem.max_key_length=64' });

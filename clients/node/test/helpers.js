@@ -142,9 +142,9 @@ function countOutcomes(results) {
   return counts;
 }
 
-/** A pool that reaches no server (a socket directory with no server in it). */
+/** A pool that reaches no server (a socket directory with no server in it: test.sh's own, IDEM_TEST_DOWN_HOST). */
 function deadPool() {
-  return makePool({ host: '/nonexistent-idem-socket-dir', port: 1, connectionTimeoutMillis: 2000 });
+  return makePool({ host: process.env.IDEM_TEST_DOWN_HOST || '/nonexistent-idem-socket-dir', port: 1, connectionTimeoutMillis: 2000 });
 }
 
 module.exports = {

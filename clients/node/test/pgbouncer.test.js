@@ -19,30 +19,25 @@ const {
 
 const PGBOUNCER = '/usr/sbin/pgbouncer';
 
-function freePort() {
-  return new Promise((resolve, reject) => {
-    const srv = net.createServer();
-    srv.listen(0, '127.0.0.1', () => {
-      const { port } = srv.address();
-      srv.close(() => resolve(port));
-    });
-    srv.on('error', reject);
-  });
-}
+// pgbouncer listens on a Unix socket in its own directory, on no TCP
+// port: no other suite's server can answer in its place.  The port only
+// names the socket file.
+const BOUNCER_PORT = 6432;
 
 async function startBouncer() {
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'idem-node-bouncer-'));
   fs.chmodSync(dir, 0o777);
-  const port = await freePort();
+  const port = BOUNCER_PORT;
+  const socket = path.join(dir, `.s.PGSQL.${port}`);
   const user = process.env.PGUSER || 'postgres';
   fs.writeFileSync(path.join(dir, 'userlist.txt'), `"${user}" ""\n`);
   fs.writeFileSync(path.join(dir, 'pgbouncer.ini'), `[databases]
 ${process.env.PGDATABASE || 'postgres'} = host=${process.env.PGHOST} port=${process.env.PGPORT}
 
 [pgbouncer]
-listen_addr = 127.0.0.1
+listen_addr =
 listen_port = ${port}
-unix_socket_dir =
+unix_socket_dir = ${dir}
 auth_type = trust
 auth_file = ${dir}/userlist.txt
 pool_mode = transaction
@@ -58,7 +53,7 @@ logfile = ${dir}/pgbouncer.log
   const up = await waitFor(async () => {
     if (child.exitCode !== null || child.signalCode !== null) return 'exited';
     return new Promise((resolve) => {
-      const s = net.connect(port, '127.0.0.1', () => { s.end(); resolve(true); });
+      const s = net.connect(socket, () => { s.end(); resolve(true); });
       s.on('error', () => resolve(false));
     });
   });
@@ -71,9 +66,10 @@ logfile = ${dir}/pgbouncer.log
       // no log written
     }
     fs.rmSync(dir, { recursive: true, force: true });
-    throw new Error(`pgbouncer did not start on port ${port}\n${log}`);
+    throw new Error(`pgbouncer did not start on ${socket}\n${log}`);
   }
   return {
+    host: dir,
     port,
     stop: async () => {
       child.kill('SIGTERM');
@@ -90,7 +86,7 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
     if (process.getuid() === 0) return t.skip('no user idemtest to run pgbouncer as');
   }
   const bouncer = await startBouncer();
-  const pool = makePool({ host: '127.0.0.1', port: bouncer.port, max: 10 });
+  const pool = makePool({ host: bouncer.host, port: bouncer.port, max: 10 });
   const direct = makePool({ max: 2 });
   t.after(async () => {
     await pool.end();

@@ -118,10 +118,12 @@ def calls(conn, key=None, app=None):
 # -- app servers -----------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def listening_socket() -> socket.socket:
+    """A TCP socket listening on a free port of 127.0.0.1."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(128)
+    return s
 
 
 def _record_pid(pid: int) -> None:
@@ -144,15 +146,20 @@ class UvicornServer:
         return "http://127.0.0.1:%d" % self.port
 
     def start(self) -> "UvicornServer":
-        self.port = free_port()
+        # The listening socket is bound here, on a port the kernel picks,
+        # and handed to uvicorn (--fd): no other server can take the port
+        # between the choice and uvicorn's start.
+        sock = listening_socket()
+        self.port = sock.getsockname()[1]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([SRC, HERE])
         env["IDEM_TEST_LEASE"] = str(self.lease)
         env["PYTHONDONTWRITEBYTECODE"] = "1"
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", "apps.asgi_app:app", "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning"],
-            env=env, cwd=HERE)
+        with sock:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "uvicorn", "apps.asgi_app:app",
+                 "--fd", str(sock.fileno()), "--log-level", "warning"],
+                env=env, cwd=HERE, pass_fds=(sock.fileno(),))
         _record_pid(self.proc.pid)
 
         def ready():
