@@ -35,7 +35,7 @@ my $times = 8 + 8 * ($ncounters + 1);
 
 # A second record of the same database, its times out of range.
 my $bad = $rec;
-substr($bad, $times, 16) = pack('q<q<', 0x7fff_ffff_ffff_fff0, -0x7fff_ffff_ffff_fff0);
+substr($bad, $times, 16) = pack('q<q<', 9_223_372_036_854_775_792, -9_223_372_036_854_775_792);
 open(my $fh, '>:raw', $file) or die "cannot write $file: $!";
 print $fh pack('L3', $magic, $ncounters, 2), $rec, $bad;
 close $fh;

@@ -179,11 +179,14 @@ ok( $n2pc->poll_query_until('postgres', q{
 	SELECT count(*) > 0 FROM pg_stat_activity
 	 WHERE wait_event_type = 'Extension' AND query LIKE '%idem_begin%'}),
 	'2PC: the duplicate waits on the worker that holds the key');
-$coord->safe_psql('postgres', qq{
+my $committed2pc = $coord->safe_psql('postgres', qq{
 	BEGIN;
-	SELECT claimed FROM idem_begin('$elsewhere', 'fp');
-	SELECT idem_complete('k-wait-2pc', 'fp', 202, 'y', $t2pc);
-	COMMIT;});
+	SELECT claimed FROM idem_begin('$elsewhere', 'fp') \\gset
+	SELECT idem_complete('k-wait-2pc', 'fp', 202, 'y', $t2pc) \\gset
+	SELECT count(*) AS before FROM pg_dist_transaction \\gset
+	COMMIT;
+	SELECT count(*) > :before FROM pg_dist_transaction;});
+is($committed2pc, 't', '2PC: the transaction was committed with two-phase commit');
 is($w2pc->query_safe('SELECT 1'), "f|DONE|202\n1",
 	'2PC: COMMIT PREPARED wakes the duplicate, which replays the response');
 $w2pc->quit;
