@@ -1,7 +1,7 @@
 // Types for idem-pg: the Node client of the idem PostgreSQL extension.
 
 import type { Pool, PoolClient, ClientBase } from 'pg';
-import type { Request, RequestHandler } from 'express';
+import type { Request, RequestHandler, Response as ExpressResponse } from 'express';
 
 /** A duration: milliseconds, or PostgreSQL interval text such as '30s'. */
 export type Duration = number | string;
@@ -279,11 +279,25 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   required?: boolean;
   /** Fingerprint of the request (default: SHA-256 of method, original URL and body bytes). */
   fingerprint?: (req: Request, body: Buffer) => string | Promise<string>;
-  /** Scope of the key, e.g. the authenticated tenant (default ''). */
+  /** The tenant, e.g. the authenticated account's organisation (default ''). */
   scope?: (req: Request) => string | Promise<string>;
   /**
+   * The caller's identity: keys are claimed in the scope callerScope(tenant, principal), so a
+   * replay only goes to the caller who made the request.  A hook that throws or returns no
+   * string: 500, nothing claimed.  Required unless shared is true.
+   */
+  principal?: (req: Request) => string | Promise<string>;
+  /** One namespace of keys for every caller (the scope is the tenant alone): the explicit opt-out of principal. */
+  shared?: boolean;
+  /**
+   * Runs before a stored response is replayed: true replays it; anything else answers 403
+   * problem+json, unless the hook sent an answer itself (res), which is then the answer.
+   */
+  authorize?: (req: Request, res: ExpressResponse) => unknown | Promise<unknown>;
+  /**
    * The replay policy: true to store and replay an answer of this status (default: every status
-   * but 429 and 5xx, which release the key for a retry).  Per middleware, so per route.
+   * but 401, 403, 407, 408, 425, 429 and 5xx, which release the key for a retry).  Per
+   * middleware, so per route.
    */
   storeStatus?: (status: number) => boolean;
   /** Store every status, 5xx and thrown errors included: storeStatus: () => true (default false). */
@@ -315,6 +329,9 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   /** Called with each guard result (in transactional mode, transaction()'s in the same shape). */
   onResult?: (result: GuardResult, req: Request) => void;
 }
+
+/** The scope of a key claimed for principal within tenant (doc/http.md): `<n>:<tenant>=<principal>` or `<n>:<tenant>#<sha256 hex>`. */
+export declare function callerScope(tenant: string, principal: string, maxLength?: number): string;
 
 /** Express middleware: the Idempotency-Key header over a Guard (or a pool and guard options). */
 export declare function idempotency(poolOrGuard: Pool | Guard, options?: IdempotencyOptions): RequestHandler;

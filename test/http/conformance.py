@@ -13,6 +13,7 @@ Prints one "ok N - name" / "not ok N - name" line per check, then
 import argparse
 import datetime
 import email.utils
+import hashlib
 import http.client
 import json
 import os
@@ -36,6 +37,18 @@ NOT_STORED = {
 IMF_FIXDATE = re.compile(r"^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d "
                          r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
                          r"\d{4} \d\d:\d\d:\d\d GMT$")
+
+
+PRINCIPAL = "conf-caller"   # the caller of every request unless a check says otherwise
+
+
+def caller_scope(tenant, principal, max_length=255):
+    """doc/http.md: the scope of a key claimed for principal within tenant."""
+    head = "%d:%s" % (len(tenant.encode("utf-8")), tenant)
+    plain = head + "=" + principal
+    if all(" " <= c <= "~" for c in principal) and len(plain.encode("utf-8")) <= max_length:
+        return plain
+    return head + "#" + hashlib.sha256(principal.encode("utf-8")).hexdigest()
 
 
 class Failed(Exception):
@@ -77,18 +90,26 @@ class Runner:
 
     # -- HTTP and SQL ------------------------------------------------------------
 
-    def post(self, path, key=None, body=b"{}", headers=None, raw_key=None, timeout=60):
-        """POST; ``key`` goes as a bare token, ``raw_key`` as given (any bytes
+    def post(self, path, key=None, body=b"{}", headers=None, raw_key=None, timeout=60,
+             principal=PRINCIPAL):
+        """POST as ``principal`` (X-Conf-Principal; None: no header);
+        ``key`` goes as a bare token, ``raw_key`` as given (any bytes
         http.client lets through: latin-1 text).  Raises on a cut connection."""
+        return self.request("POST", path, key, body, headers, raw_key, timeout, principal)
+
+    def request(self, method, path, key=None, body=b"{}", headers=None, raw_key=None,
+                timeout=60, principal=PRINCIPAL):
         conn = http.client.HTTPConnection(self.host, self.port, timeout=timeout)
         try:
-            conn.putrequest("POST", path, skip_accept_encoding=True)
+            conn.putrequest(method, path, skip_accept_encoding=True)
             conn.putheader("Content-Type", "application/json")
             conn.putheader("Content-Length", str(len(body)))
             if raw_key is not None:
                 conn.putheader("Idempotency-Key", raw_key)
             elif key is not None:
                 conn.putheader("Idempotency-Key", key)
+            if principal is not None:
+                conn.putheader("X-Conf-Principal", principal)
             for k, v in (headers or {}).items():
                 conn.putheader(k, v)
             conn.endheaders(body)
@@ -113,15 +134,21 @@ class Runner:
         return int(self.sql("SELECT count(*) FROM conf_orders WHERE key = :'k' AND route = :'r';",
                             k=key, r=route))
 
-    def key_row(self, key):
-        """(state, seconds until lease_until) of a key, from idem_lookup."""
+    def key_row(self, key, principal=PRINCIPAL):
+        """(state, seconds until lease_until) of a key claimed for
+        principal (tenant ''), from idem_lookup."""
         out = self.sql("SELECT state || ' ' || coalesce(extract(epoch FROM lease_until"
-                       " - clock_timestamp())::text, '') FROM \"%s\".idem_lookup(:'k', '');"
-                       % self.schema, k=key)
+                       " - clock_timestamp())::text, '') FROM \"%s\".idem_lookup(:'k', :'s');"
+                       % self.schema, k=key, s=caller_scope("", principal))
         if not out:
             return None, None
         state, _, left = out.partition(" ")
         return state, (float(left) if left else None)
+
+    def rows(self, key):
+        """Rows of the key in any scope."""
+        return int(self.sql("SELECT count(*) FROM \"%s\".idem_keys WHERE key = :'k';"
+                            % self.schema, k=key))
 
     def key(self, name):
         return "conf-%s-%s-%s" % (self.run_id, name, uuid.uuid4().hex[:8])
@@ -436,6 +463,12 @@ class Runner:
         for path, route, code, stored in (("/plain/status/503", "status", 503, False),
                                           ("/plain/status/429", "status", 429, False),
                                           ("/plain/status/500", "status", 500, False),
+                                          ("/plain/status/401", "status", 401, False),
+                                          ("/plain/status/403", "status", 403, False),
+                                          ("/plain/status/407", "status", 407, False),
+                                          ("/plain/status/408", "status", 408, False),
+                                          ("/plain/status/425", "status", 425, False),
+                                          ("/store5xx/status/401", "store5xx", 401, True),
                                           ("/plain/status/404", "status", 404, True),
                                           ("/plain/status/200", "status", 200, True),
                                           ("/store5xx/status/500", "store5xx", 500, True),
@@ -451,6 +484,62 @@ class Runner:
             else:
                 check(r2.header(REPLAYED) is None, path + " run again", r2)
                 check(self.executions(key, route) == 2, path + " two executions")
+                check(self.key_row(key)[0] is None, path + " released")
+
+    def two_principals(self):
+        key = self.key("callers")
+        a1 = self.post("/plain/orders", key, principal="alice")
+        b1 = self.post("/plain/orders", key, principal="bob")
+        check(a1.status == b1.status == 201, "both 201", a1, b1)
+        check(a1.header(REPLAYED) is None and b1.header(REPLAYED) is None, "neither replayed",
+              a1, b1)
+        check(self.executions(key, "plain") == 2, "two executions")
+        check(a1.body != b1.body, "two orders", a1.body, b1.body)
+        a2 = self.post("/plain/orders", key, principal="alice")
+        b2 = self.post("/plain/orders", key, principal="bob")
+        check(a2.header(REPLAYED) == "true" and a2.body == a1.body, "alice gets hers", a2)
+        check(b2.header(REPLAYED) == "true" and b2.body == b1.body, "bob gets his", b2)
+        check(self.executions(key, "plain") == 2, "still two executions")
+        for who in ("alice", "bob"):
+            state, _ = self.key_row(key, who)
+            check(state == "DONE", "the key in the scope of %s" % who, state)
+        check(self.key_row(key, "carol")[0] is None, "nothing in another caller's scope")
+
+    def authorize(self):
+        key = self.key("authz")
+        r1 = self.post("/authz/orders", key)
+        check(r1.status == 201, "first 201", r1)
+        order = str(r1.json()["order"]).encode()
+        r2 = self.post("/authz/orders", key, headers={"X-Conf-Revoked": "1"})
+        self.problem(r2, 403)
+        check(r2.header(REPLAYED) is None, "not a replay", r2)
+        check(order not in r2.body and r2.header("location") is None, "the body not sent", r2)
+        check(self.executions(key, "authz") == 1, "one execution")
+        r3 = self.post("/authz/orders", key)
+        check(r3.status == 201 and r3.header(REPLAYED) == "true" and r3.body == r1.body,
+              "allowed again: replayed", r3)
+        check(self.executions(key, "authz") == 1, "still one execution")
+
+    def bad_principal(self):
+        for how in ("raise", "none"):
+            key = self.key("who" + how)
+            r = self.post("/plain/orders", key, principal=how)
+            self.problem(r, 500)
+            check(self.executions(key, "plain") == 0, "no execution (%s)" % how)
+            check(self.rows(key) == 0, "nothing claimed (%s)" % how)
+            r = self.post("/tx/orders", key, principal=how)
+            self.problem(r, 500)
+            check(self.executions(key, "tx") == 0, "no execution on /tx (%s)" % how)
+            check(self.rows(key) == 0, "nothing claimed on /tx (%s)" % how)
+
+    def no_decision(self):
+        """The app built a middleware with neither a principal hook nor the
+        shared opt-out at start and reports the error it got."""
+        r = self.request("GET", "/no-decision", body=b"", principal=None)
+        check(r.status == 200, "GET /no-decision", r)
+        error = r.json().get("error")
+        check(isinstance(error, str) and "principal" in error and "shared" in error,
+              "construction refused, naming the options", error)
 
 
 def parse_size(text):
@@ -490,7 +579,15 @@ def main(argv=None):
         ("4 concurrent retries on /tx: one execution", r.tx_concurrent),
         ("a body of idem.max_body_size is stored and replayed", r.max_body_size),
         ("a body one byte larger: 201, then 500 Response not stored", r.over_max_body_size),
-        ("replay policy: 5xx and 429 run again, 404 replays, /store5xx replays", r.policy),
+        ("replay policy: 5xx, 429, 401, 403, 407, 408, 425 run again, 404 replays, "
+         "/store5xx replays", r.policy),
+        ("two callers, one key and body: two executions, each replayed to its own caller",
+         r.two_principals),
+        ("/authz: a replay the authorize hook denies is 403 without the body", r.authorize),
+        ("a principal hook that raises or returns no string: 500, nothing run or claimed",
+         r.bad_principal),
+        ("a middleware with no principal hook and no shared opt-out is refused",
+         r.no_decision),
     ]
     for name, fn in checks:
         r.run(name, fn)

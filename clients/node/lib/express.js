@@ -26,9 +26,30 @@ const DEFAULT_STORED_HEADERS = ['content-type', 'content-language', 'content-enc
 /** How long a concurrent retry waits for the first request's answer by default (ms). */
 const DEFAULT_WAIT_FOR_MS = 5000;
 
-/** The replay policy of doc/http.md: store unless 429 or 5xx. */
+/**
+ * Answers released rather than stored (doc/http.md's policy): besides 5xx,
+ * those about the caller's credentials or timing, which a retry (after a
+ * token refresh, a proxy login, a pause) should see run again.
+ */
+const NOT_STORED_STATUSES = new Set([401, 403, 407, 408, 425, 429]);
+
+/** The replay policy of doc/http.md: store unless 401, 403, 407, 408, 425, 429 or 5xx. */
 function defaultStoreStatus(status) {
-  return status !== 429 && status < 500;
+  return !NOT_STORED_STATUSES.has(status) && status < 500;
+}
+
+/**
+ * The scope of a key claimed for principal within tenant (doc/http.md):
+ * `<n>:<tenant>=<principal>`, n the tenant's length in UTF-8 bytes, so that
+ * no two (tenant, principal) pairs give one scope.  A principal that is not
+ * printable ASCII, or that would make the scope longer than maxLength bytes,
+ * is written as `#` and the hex SHA-256 of its UTF-8 bytes instead.
+ */
+function callerScope(tenant, principal, maxLength = 255) {
+  const head = `${Buffer.byteLength(tenant, 'utf8')}:${tenant}`;
+  const plain = `${head}=${principal}`;
+  if (/^[\x20-\x7e]*$/.test(principal) && Buffer.byteLength(plain, 'utf8') <= maxLength) return plain;
+  return `${head}#${crypto.createHash('sha256').update(principal, 'utf8').digest('hex')}`;
 }
 
 /**
@@ -279,9 +300,14 @@ function runCaptured(req, res, next, claim, capture, ctx) {
  *
  * options: header ('Idempotency-Key'), methods (['POST', 'PATCH']),
  * required (false: requests without the header pass through; true: 400),
- * fingerprint(req, body) (method, URL and body), scope(req) (''),
- * storeStatus(status) (true to store and replay the answer; default: all
- * but 429 and 5xx, which release the key), storeServerErrors (true: store
+ * fingerprint(req, body) (method, URL and body), principal(req) (the
+ * caller's identity, a string: keys are claimed in the scope
+ * callerScope(tenant, principal)) or shared (true: one namespace for every
+ * caller, the scope being the tenant alone), one of which is required,
+ * scope(req) (the tenant, ''), authorize(req, res) (before a replay: true
+ * replays, false answers 403, a hook that sent an answer itself has it
+ * sent), storeStatus(status) (true to store and replay the answer; default:
+ * all but 401, 403, 407, 408, 425, 429 and 5xx, which release the key), storeServerErrors (true: store
  * every status, a shorthand for storeStatus: () => true), transactional
  * (false; true: the handler runs inside the transaction that holds the
  * claim, on req.idempotency.client, and its writes commit with the claim
@@ -304,6 +330,9 @@ function idempotency(poolOrGuard, options = {}) {
     required = false,
     fingerprint = defaultFingerprint,
     scope = () => '',
+    principal = null,
+    shared = false,
+    authorize = null,
     storeStatus: storeStatusOption,
     storeServerErrors = false,
     transactional = false,
@@ -316,6 +345,13 @@ function idempotency(poolOrGuard, options = {}) {
     waitFor: waitForOption,
     ...guardOptions
   } = options;
+  if (principal == null && shared !== true) {
+    throw new TypeError('idempotency() needs principal: (req) => the caller\'s identity, which scopes its keys, ' +
+      'or shared: true (every caller shares one namespace of keys, and a replay goes to whoever sends the same key and request)');
+  }
+  if (principal != null && shared === true) throw new TypeError('give principal or shared: true, not both');
+  if (principal != null && typeof principal !== 'function') throw new TypeError('principal must be a function of the request');
+  if (authorize != null && typeof authorize !== 'function') throw new TypeError('authorize must be a function of the request');
   if (storeStatusOption != null && typeof storeStatusOption !== 'function') throw new TypeError('storeStatus must be a function of the status');
   if (storeStatusOption != null && storeServerErrors) throw new TypeError('give storeStatus or storeServerErrors, not both');
   const storeStatus = storeStatusOption || (storeServerErrors ? () => true : defaultStoreStatus);
@@ -374,6 +410,13 @@ function idempotency(poolOrGuard, options = {}) {
     }
   }
 
+  /** Warnings of the hooks: the guard's logger, else console. */
+  function warn(message) {
+    const logger = guardOptions.logger || guard.options.logger;
+    if (logger) logger.warn(message);
+    else console.warn(message);
+  }
+
   async function handle(req, res, next) {
     const rawKey = req.headers[headerName];
     if (rawKey === undefined) {
@@ -386,6 +429,20 @@ function idempotency(poolOrGuard, options = {}) {
         ` of 1 to ${maxKeyLength} printable ASCII characters`);
     }
 
+    let who = null;
+    if (principal) {
+      try {
+        who = await principal(req);
+      } catch (err) {
+        warn(`idem: the principal hook failed for key ${JSON.stringify(key)}; nothing claimed: ${err && err.message}`);
+        return problem(res, 500, 'caller unknown', 'the caller\'s identity could not be established');
+      }
+      if (typeof who !== 'string') {
+        warn(`idem: the principal hook returned ${who === null ? 'null' : typeof who} for key ${JSON.stringify(key)}, not a string; nothing claimed`);
+        return problem(res, 500, 'caller unknown', 'the caller\'s identity could not be established');
+      }
+    }
+
     let body;
     try {
       body = await requestBody(req, limit);
@@ -394,8 +451,9 @@ function idempotency(poolOrGuard, options = {}) {
       throw err;
     }
     const fp = await fingerprint(req, body);
-    const sc = await scope(req);
-    if (typeof fp !== 'string' || typeof sc !== 'string') throw new TypeError('fingerprint and scope must return strings');
+    const tenant = await scope(req);
+    if (typeof fp !== 'string' || typeof tenant !== 'string') throw new TypeError('fingerprint and scope must return strings');
+    const sc = principal ? callerScope(tenant, who, maxKeyLength) : tenant;
 
     const capture = {};
     const ctx = { key, scope: sc, storedHeaders: stored, storeStatus };
@@ -415,6 +473,20 @@ function idempotency(poolOrGuard, options = {}) {
 
     switch (result.outcome) {
       case Outcome.REPLAYED: {
+        if (authorize) {
+          let allowed;
+          try {
+            allowed = await authorize(req, res);
+          } catch (err) {
+            warn(`idem: the authorize hook failed for key ${JSON.stringify(key)}; the stored response is not sent: ${err && err.message}`);
+            if (res.headersSent) return res.destroy();
+            return problem(res, 500, 'replay not authorized', 'the caller\'s access to the stored response could not be checked');
+          }
+          if (res.headersSent || res.writableEnded) return undefined; // the hook answered itself
+          if (allowed !== true) {
+            return problem(res, 403, 'replay not authorized', 'the stored response to this request is not available to this caller');
+          }
+        }
         const { headers, body: replayBody } = decodeEnvelope(result.response.body);
         res.status(result.response.status);
         const byName = new Map();
@@ -470,6 +542,8 @@ module.exports = {
   parseKey,
   retryAfterSeconds,
   defaultStoreStatus,
+  callerScope,
+  NOT_STORED_STATUSES,
   DEFAULT_WAIT_FOR_MS,
   NOT_STORED_ENVELOPE,
 };

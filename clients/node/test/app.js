@@ -16,7 +16,7 @@ function createApp(pool, idemOptions = {}) {
   const app = express();
   app.set('env', 'test'); // Express's default error handler: no stack traces on stderr
   app.use(express.json({ verify: saveRawBody }));
-  app.use(idempotency(pool, { lease: 10000, scope: (req) => req.get('X-Tenant') || '', ...idemOptions }));
+  app.use(idempotency(pool, { lease: 10000, scope: (req) => req.get('X-Tenant') || '', shared: true, ...idemOptions }));
 
   app.post('/orders', (req, res) => {
     count('orders');

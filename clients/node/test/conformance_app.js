@@ -17,7 +17,13 @@ function createApp(pool, downPool, shortPool) {
   const express = require('express');
   const { idempotency, saveRawBody } = require('..');
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-  const common = { required: true, lease: 30000, retention: 3600000, waitFor: 5000 };
+  // The caller: X-Conf-Principal ("raise": the hook throws, "none": it returns undefined).
+  const principal = (req) => {
+    const who = req.get('X-Conf-Principal') || '';
+    if (who === 'raise') throw new Error('no session');
+    return who === 'none' ? undefined : who;
+  };
+  const common = { required: true, lease: 30000, retention: 3600000, waitFor: 5000, principal };
   const mw = {
     plain: idempotency(pool, common),
     tx: idempotency(pool, { ...common, transactional: true }),
@@ -25,7 +31,15 @@ function createApp(pool, downPool, shortPool) {
     store5xx: idempotency(pool, { ...common, storeStatus: () => true }),
     down: idempotency(downPool, { ...common, timeout: 2000 }),
     short: idempotency(shortPool, common),
+    authz: idempotency(pool, { ...common, authorize: (req) => req.get('X-Conf-Revoked') === undefined }),
   };
+  // A middleware built with neither a principal hook nor shared: true: the error it gets.
+  let noDecision = null;
+  try {
+    idempotency(pool, { required: true });
+  } catch (err) {
+    noDecision = err.message;
+  }
 
   const app = express();
   app.set('env', 'test'); // Express's default error handler: no stack traces on stderr
@@ -64,6 +78,8 @@ function createApp(pool, downPool, shortPool) {
   app.post('/nowait/orders', mw.nowait, orders('nowait', () => pool));
   app.post('/down/orders', mw.down, orders('down', () => pool));
   app.post('/short/orders', mw.short, orders('short', () => pool));
+  app.post('/authz/orders', mw.authz, orders('authz', () => pool));
+  app.get('/no-decision', (req, res) => res.json({ error: noDecision }));
   app.post('/plain/binary', mw.plain, async (req, res, next) => {
     try {
       await work(req, pool, 'binary');

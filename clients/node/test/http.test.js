@@ -77,7 +77,7 @@ async function start(p, idemOptions) {
   const app = express();
   app.set('env', 'test');
   app.use(express.json({ verify: saveRawBody }));
-  app.use(idempotency(p, { lease: 30000, ...idemOptions }));
+  app.use(idempotency(p, { lease: 30000, shared: true, ...idemOptions }));
   const db = (req) => (req.idempotency.client || p);
   app.post('/orders', async (req, res, next) => {
     try {
@@ -286,8 +286,8 @@ test('storeStatus per route; Idempotency-Expires is the key\'s expires_at, on th
   assert.equal((await post(`${keep418.url}/orders`, key2)).headers.get('idempotent-replayed'), null);
   assert.equal(keep418.state.calls, 3);
   assert.equal(await lookup(pool, key2), null);
-  assert.throws(() => idempotency(pool, { storeStatus: () => true, storeServerErrors: true }), TypeError);
-  assert.throws(() => idempotency(pool, { storeStatus: 500 }), TypeError);
+  assert.throws(() => idempotency(pool, { shared: true, storeStatus: () => true, storeServerErrors: true }), TypeError);
+  assert.throws(() => idempotency(pool, { shared: true, storeStatus: 500 }), TypeError);
 });
 
 test('transactional mode: the handler writes on req.idempotency.client; writes, claim and response commit together', async () => {

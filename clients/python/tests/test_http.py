@@ -238,15 +238,15 @@ def test_concurrent_duplicates_wait_and_replay(server, db):
 
 
 def test_settings_wait_for():
-    assert DEFAULT_WAIT_FOR == 5.0 and Settings().wait_of({}) == 5.0
-    assert Settings(wait_for=None).wait_of({}) == 0.0
-    assert Settings(wait_for=0).wait_of({}) == 0.0
-    per_route = Settings(wait_for=lambda req: 30 if req["path"] == "/reports" else None)
+    assert DEFAULT_WAIT_FOR == 5.0 and Settings(shared=True).wait_of({}) == 5.0
+    assert Settings(shared=True, wait_for=None).wait_of({}) == 0.0
+    assert Settings(shared=True, wait_for=0).wait_of({}) == 0.0
+    per_route = Settings(shared=True, wait_for=lambda req: 30 if req["path"] == "/reports" else None)
     assert per_route.wait_of({"path": "/reports"}) == 30.0
     assert per_route.wait_of({"path": "/orders"}) == 0.0
     with pytest.raises(ValueError):
-        Settings(wait_for=-1)
-    s = Settings(retry_after=7)
+        Settings(shared=True, wait_for=-1)
+    s = Settings(shared=True, retry_after=7)
 
     def retry_after(lease_left):
         status, headers, _ = s.in_flight(lease_left)

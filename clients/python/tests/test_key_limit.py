@@ -43,7 +43,8 @@ def app_of(mode, dsn, ran, **settings):
         app = Starlette(routes=[Route("/orders", orders, methods=["POST"])])
         app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(dsn, timeout=5),
                            scope=lambda scope: dict(scope["headers"]).get(
-                               b"x-tenant", b"").decode("latin-1"), **settings)
+                               b"x-tenant", b"").decode("latin-1"), shared=True,
+                           **settings)
 
         def post(key, tenant=""):
             async def main():
@@ -60,7 +61,7 @@ def app_of(mode, dsn, ran, **settings):
 
     wapp = IdempotencyWSGIMiddleware(orders, guard=Guard(dsn, timeout=5),
                                      scope=lambda environ: environ.get("HTTP_X_TENANT", ""),
-                                     **settings)
+                                     shared=True, **settings)
 
     def post(key, tenant=""):
         with httpx.Client(app=wapp, base_url="http://app") as c:

@@ -64,14 +64,14 @@ def test_parse_key_forms():
 
 
 def test_policy_and_envelope():
-    s = Settings()
+    s = Settings(shared=True)
     assert [s.stores(c) for c in (200, 201, 404, 409, 422, 429, 500, 503)] == \
         [True, True, True, True, True, False, False, False]
-    assert all(Settings(store_server_errors=True).stores(c) for c in (429, 500, 503))
-    only_500 = Settings(store_status=lambda c: c != 503)
+    assert all(Settings(shared=True, store_server_errors=True).stores(c) for c in (429, 500, 503))
+    only_500 = Settings(shared=True, store_status=lambda c: c != 503)
     assert only_500.stores(500) and not only_500.stores(503)
     with pytest.raises(TypeError):
-        Settings(store_status=lambda c: True, store_server_errors=True)
+        Settings(shared=True, store_status=lambda c: True, store_server_errors=True)
     data = pack(s.kept([("Content-Type", "text/plain"), ("X-Other", "no"),
                         ("ETag", '"1"')]), b"\x00body")
     assert data == b'idem-http/1\n[["content-type","text/plain"],["etag","\\"1\\""]]\n\x00body'
@@ -171,7 +171,7 @@ def asgi_app(dsn, **settings):
     app = Starlette(routes=[Route("/orders", orders, methods=["POST"])])
     fault = settings.pop("fault", None)
     app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(dsn, timeout=5, fault=fault),
-                       **settings)
+                       shared=True, **settings)
     return app
 
 
@@ -258,7 +258,7 @@ def wsgi_app(dsn):
         return resp
 
     fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=Guard(dsn, timeout=5),
-                                            transactional=True)
+                                            transactional=True, shared=True)
     return fl
 
 
@@ -365,14 +365,14 @@ def test_transactional_retry_gives_up_in_the_server(dsn, db, mode):
             app = Starlette(routes=[Route("/orders", lambda request: JSONResponse({}),
                                           methods=["POST"])])
             app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(dsn, timeout=0.3),
-                               transactional=True, wait_for=0)
+                               transactional=True, wait_for=0, shared=True)
             r = asgi_post(app, key)
         else:
             from flask import Flask
             fl = Flask("w")
             fl.post("/orders")(lambda: {})
             fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=Guard(dsn, timeout=0.3),
-                                                    transactional=True, wait_for=0)
+                                                    transactional=True, wait_for=0, shared=True)
             with httpx.Client(app=fl, base_url="http://app") as c:
                 r = c.post("/orders", content=b"{}", headers={"Idempotency-Key": key})
         assert r.status_code == 409 and r.headers["retry-after"] == "1"
@@ -419,7 +419,7 @@ def test_unknown_state_is_503_and_the_handler_does_not_run(dsn, future_schema, m
 
         app = Starlette(routes=[Route("/orders", orders, methods=["POST"])])
         app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(dsn, schema=future_schema),
-                           transactional=transactional)
+                           transactional=transactional, shared=True)
         r = asgi_post(app, key)
     else:
         def orders(environ, start_response):
@@ -428,7 +428,7 @@ def test_unknown_state_is_503_and_the_handler_does_not_run(dsn, future_schema, m
             return [b"{}"]
 
         wapp = IdempotencyWSGIMiddleware(orders, guard=Guard(dsn, schema=future_schema),
-                                         transactional=transactional)
+                                         transactional=transactional, shared=True)
         with httpx.Client(app=wapp, base_url="http://app") as c:
             r = c.post("/orders", content=b"{}", headers={"Idempotency-Key": key})
     assert r.status_code == 503 and ran == [], (r.status_code, r.text)

@@ -15,6 +15,8 @@ app.use(express.json({ verify: saveRawBody }));
 
 app.post('/orders', idempotency(pool, {
   schema: 'public', lease: 30000, required: true, waitFor: 2000,
+  principal: (req) => String(req.get('X-User') ?? ''),
+  authorize: (req, res) => req.get('X-Revoked') === undefined || res.status(404).end(),
   storeStatus: (status: number) => status < 500,
   logger: { warn: (message: string) => console.warn(message) },
   onResult: (r: GuardResult) => { if (r.notStored) console.warn(r.expiresAt?.toISOString()); },
@@ -24,7 +26,7 @@ app.post('/orders', idempotency(pool, {
   res.status(201).json({ key, token: String(token) });
 });
 
-app.post('/tx/orders', idempotency(pool, { transactional: true, storeServerErrors: false }), async (req, res, next) => {
+app.post('/tx/orders', idempotency(pool, { transactional: true, storeServerErrors: false, shared: true }), async (req, res, next) => {
   try {
     const client = req.idempotency?.client;
     if (!client) throw new Error('not transactional');

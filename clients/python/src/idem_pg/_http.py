@@ -95,9 +95,36 @@ def parse_key(value: Optional[str], max_length: int = 255) -> Optional[str]:
     return key
 
 
+# Answers released rather than stored (doc/http.md's policy): besides 5xx,
+# those about the caller's credentials or timing, which a retry (after a
+# token refresh, a proxy login, a pause) should see run again.
+NOT_STORED_STATUSES = frozenset((401, 403, 407, 408, 425, 429))
+
+
 def default_store_status(status: int) -> bool:
-    """doc/http.md's policy: store unless 429 or 5xx."""
-    return status != 429 and status < 500
+    """doc/http.md's policy: store unless 401, 403, 407, 408, 425, 429 or
+    5xx."""
+    return status not in NOT_STORED_STATUSES and status < 500
+
+
+def caller_scope(tenant: str, principal: str, max_length: int = 255) -> str:
+    """The scope of a key claimed for ``principal`` within ``tenant``
+    (doc/http.md): ``<n>:<tenant>=<principal>``, n the tenant's length in
+    UTF-8 bytes, so that no two (tenant, principal) pairs give one scope.
+    A principal that is not printable ASCII, or that would make the scope
+    longer than ``max_length`` bytes, is written as ``#`` and the hex
+    SHA-256 of its UTF-8 bytes instead of ``=`` and itself."""
+    t = tenant.encode("utf-8", "surrogatepass")
+    head = "%d:%s" % (len(t), tenant)
+    plain = head + "=" + principal
+    if all(" " <= c <= "~" for c in principal) and \
+            len(plain.encode("utf-8", "surrogatepass")) <= max_length:
+        return plain
+    return head + "#" + hashlib.sha256(principal.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+class BadPrincipal(Exception):
+    """The principal hook raised or returned something other than a str."""
 
 
 def http_date(at: _dt.datetime) -> str:
@@ -149,8 +176,19 @@ class Settings:
     ASGI scope or WSGI environ returning them, for a wait per route.
 
     ``store_status``: a function of the handler's status, true to store
-    the response (default: not 429 nor 5xx); ``store_server_errors=True``
-    is the shorthand for storing every status.
+    the response (default: not 401, 403, 407, 408, 425, 429 nor 5xx);
+    ``store_server_errors=True`` stores every status.
+
+    ``principal``: a function of the request returning the caller's
+    identity (a str); keys are claimed in the scope
+    ``caller_scope(tenant, principal)``, the tenant being what ``scope``
+    returns (else the guard's scope).  ``shared=True`` instead: one
+    namespace for every caller, the scope being the tenant alone.  One of
+    the two is required.
+
+    ``authorize``: a function of the request run before a stored response
+    is replayed: True replays it, anything else but a triple answers 403, a (status, headers,
+    body) triple is sent instead.
     """
 
     def __init__(self, *, header: str = "Idempotency-Key",
@@ -163,7 +201,23 @@ class Settings:
                  retry_after: int = 1,
                  stored_headers: Sequence[str] = DEFAULT_STORED_HEADERS,
                  max_key_length: int = 255,
-                 wait_for: Union[None, float, Callable[[Any], Optional[float]]] = DEFAULT_WAIT_FOR):
+                 wait_for: Union[None, float, Callable[[Any], Optional[float]]] = DEFAULT_WAIT_FOR,
+                 principal: Optional[Callable[[Any], str]] = None, shared: bool = False,
+                 authorize: Optional[Callable[[Any], Any]] = None):
+        if principal is None and not shared:
+            raise TypeError("the idempotency middleware needs principal= (a function of the "
+                            "request returning the caller's identity, which scopes its keys) "
+                            "or shared=True (every caller shares one namespace of keys, and a "
+                            "replay goes to whoever sends the same key and request)")
+        if principal is not None and shared:
+            raise TypeError("principal= and shared=True: give one")
+        if principal is not None and not callable(principal):
+            raise TypeError("principal must be a function of the request")
+        if authorize is not None and not callable(authorize):
+            raise TypeError("authorize must be a function of the request")
+        self.principal = principal
+        self.shared = shared
+        self.authorize = authorize
         self.header = header
         self.methods = frozenset(m.upper() for m in methods)
         self.required = required
@@ -182,6 +236,35 @@ class Settings:
         if not callable(wait_for):
             wait_seconds(wait_for)          # a bad number fails here, not per request
         self.wait_for = wait_for
+
+    def scope_of(self, tenant: str, principal: Any) -> str:
+        """The scope of a request's key: the tenant alone when shared, else
+        caller_scope(tenant, principal); raises BadPrincipal for a
+        principal that is no str."""
+        if self.principal is None:
+            return tenant
+        if not isinstance(principal, str):
+            raise BadPrincipal("the principal hook returned %s, not a str"
+                               % type(principal).__name__)
+        return caller_scope(tenant, principal, self.max_key_length)
+
+    def denied(self, answer: Any) -> Optional[Answer]:
+        """None when authorize's answer lets the replay go out, else what
+        to send instead (403 for a false answer)."""
+        if isinstance(answer, tuple):
+            status, headers, body = answer
+            return int(status), list(headers), bytes(body)
+        if answer is True:
+            return None
+        return problem(403, "the stored response to this request is not available to "
+                       "this caller")
+
+    def principal_failed(self) -> Answer:
+        return problem(500, "the caller's identity could not be established")
+
+    def authorize_failed(self) -> Answer:
+        return problem(500, "the caller's access to the stored response could not be "
+                       "checked")
 
     def wait_of(self, request: Any) -> float:
         """The wait for this request (ASGI scope or WSGI environ); 0: none."""
@@ -258,7 +341,8 @@ class Settings:
 
 class NotStored(Exception):
     """Raised from the guard's handler so that a response is sent but the
-    claim released (a status the policy does not store: 429, 5xx)."""
+    claim released (a status the policy does not store: 401, 403, 407,
+    408, 425, 429, 5xx)."""
 
     def __init__(self, response):
         super().__init__("server error response released for retry")

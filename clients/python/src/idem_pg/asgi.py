@@ -13,6 +13,7 @@ stored response commit together before the response is sent.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any, List, Optional, cast
 
@@ -58,8 +59,11 @@ class _Captured:
 
 class IdempotencyMiddleware:
     """ASGI middleware; ``guard`` is an AsyncGuard (or pass ``dsn``).
-    Keyword settings: see idem_pg._http.Settings.  ``scope`` gets the ASGI
-    scope and returns the tenant.  ``transactional``: see the module doc;
+    Keyword settings: see idem_pg._http.Settings.  ``principal`` (or
+    ``shared=True``) is required: it gets the ASGI scope and returns the
+    caller's identity, which scopes the keys; ``scope`` gets the ASGI
+    scope and returns the tenant; ``authorize`` gets the ASGI scope before
+    a replay.  The three may be async.  ``transactional``: see the module doc;
     the guard's connection (string, pool, factory) gives the request's
     connection, its ``timeout`` bounds the claim's and the complete's
     waits (lock_timeout and statement_timeout, + ``wait_for`` for the
@@ -92,6 +96,24 @@ class IdempotencyMiddleware:
         headers.append(("content-length", str(len(captured.body))))
         await self._send(send, captured.status, headers + extra, captured.body)
 
+    async def _replay(self, scope, send, status: int, data: bytes, expires_at) -> None:
+        """The stored response, if ``authorize`` lets this caller have it."""
+        s = self.settings
+        if s.authorize is not None:
+            try:
+                answer = s.authorize(scope)
+                if inspect.isawaitable(answer):
+                    answer = await answer
+                denied = s.denied(answer)
+            except Exception:
+                log.exception("the authorize hook failed; the stored response is not sent")
+                await self._send(send, *s.authorize_failed())
+                return
+            if denied is not None:
+                await self._send(send, *denied)
+                return
+        await self._send(send, *s.replay(status, data, expires_at))
+
     async def __call__(self, scope, receive, send) -> None:
         s = self.settings
         if scope["type"] != "http" or scope["method"].upper() not in s.methods:
@@ -105,6 +127,21 @@ class IdempotencyMiddleware:
         if key is None:                       # not required: pass through
             await self.app(scope, receive, send)
             return
+        principal = None
+        if s.principal is not None:
+            try:
+                principal = s.principal(scope)
+                if inspect.isawaitable(principal):
+                    principal = await principal
+            except Exception:
+                log.exception("the principal hook failed for key %r; nothing claimed", key)
+                await self._send(send, *s.principal_failed())
+                return
+            if not isinstance(principal, str):
+                log.error("the principal hook returned %s for key %r, not a str; nothing "
+                          "claimed", type(principal).__name__, key)
+                await self._send(send, *s.principal_failed())
+                return
 
         chunks = []
         while True:
@@ -122,6 +159,8 @@ class IdempotencyMiddleware:
             path += "?" + scope["query_string"].decode("latin-1")
         fingerprint = s.fingerprint(scope["method"].upper(), path, body)
         tenant = s.scope(scope) if s.scope is not None else None
+        if s.principal is not None:
+            tenant = s.scope_of(self.guard.scope if tenant is None else tenant, principal)
         state = scope.setdefault("state", {})
         state["idem_key"] = key
         captured = _Captured()
@@ -166,7 +205,7 @@ class IdempotencyMiddleware:
                                      wait_for=s.wait_of(scope), not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
             stored = cast(Response, result.response)
-            await self._send(send, *s.replay(stored.status, stored.body, result.expires_at))
+            await self._replay(scope, send, stored.status, stored.body, result.expires_at)
         elif result.outcome is Outcome.IN_FLIGHT:
             await self._send(send, *s.in_flight(result.lease_left))
         elif result.outcome is Outcome.CONFLICT:
@@ -239,8 +278,8 @@ class IdempotencyMiddleware:
         if row is None:
             await self._send_captured(send, captured, s.expires(expires))
         elif row.outcome() is Outcome.REPLAYED:
-            await self._send(send, *s.replay(cast(int, row.status), row.body or b"",
-                                             row.expires_at))
+            await self._replay(scope, send, cast(int, row.status), row.body or b"",
+                               row.expires_at)
         elif row.outcome() is Outcome.IN_FLIGHT:
             await self._send(send, *s.in_flight(row.lease_left))
         else:

@@ -27,7 +27,7 @@ from .guard import Guard
 
 log = logging.getLogger("idem_pg")
 
-_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 409: "Conflict",
+_REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 403: "Forbidden", 409: "Conflict",
             422: "Unprocessable Entity", 500: "Internal Server Error",
             503: "Service Unavailable"}
 
@@ -66,8 +66,11 @@ def _flask_hook(app: Any) -> None:
 
 
 class IdempotencyWSGIMiddleware:
-    """WSGI middleware; ``guard`` is a Guard (or pass ``dsn``).  ``scope``
-    gets the WSGI environ and returns the tenant.  ``transactional``: see
+    """WSGI middleware; ``guard`` is a Guard (or pass ``dsn``).
+    ``principal`` (or ``shared=True``) is required: it gets the WSGI
+    environ and returns the caller's identity, which scopes the keys;
+    ``scope`` gets the environ and returns the tenant; ``authorize`` gets
+    it before a replay.  ``transactional``: see
     the module doc; the guard's connection (string, pool, factory) gives
     the request's connection, its ``timeout`` bounds the claim's and the
     complete's waits (lock_timeout and statement_timeout, + ``wait_for``
@@ -101,6 +104,19 @@ class IdempotencyWSGIMiddleware:
         return self._reply(start_response, captured["status"], headers + extra,
                            captured["body"])
 
+    def _replay(self, environ, start_response, status: int, data: bytes, expires_at):
+        """The stored response, if ``authorize`` lets this caller have it."""
+        s = self.settings
+        if s.authorize is not None:
+            try:
+                denied = s.denied(s.authorize(environ))
+            except Exception:
+                log.exception("the authorize hook failed; the stored response is not sent")
+                return self._reply(start_response, *s.authorize_failed())
+            if denied is not None:
+                return self._reply(start_response, *denied)
+        return self._reply(start_response, *s.replay(status, data, expires_at))
+
     def __call__(self, environ, start_response):
         s = self.settings
         if environ.get("REQUEST_METHOD", "GET").upper() not in s.methods:
@@ -110,6 +126,17 @@ class IdempotencyWSGIMiddleware:
             return self._reply(start_response, *bad)
         if key is None:
             return self.app(environ, start_response)
+        principal = None
+        if s.principal is not None:
+            try:
+                principal = s.principal(environ)
+            except Exception:
+                log.exception("the principal hook failed for key %r; nothing claimed", key)
+                return self._reply(start_response, *s.principal_failed())
+            if not isinstance(principal, str):
+                log.error("the principal hook returned %s for key %r, not a str; nothing "
+                          "claimed", type(principal).__name__, key)
+                return self._reply(start_response, *s.principal_failed())
 
         try:
             length = int(environ.get("CONTENT_LENGTH") or 0)
@@ -125,6 +152,8 @@ class IdempotencyWSGIMiddleware:
             path += "?" + environ["QUERY_STRING"]
         fingerprint = s.fingerprint(method, path, body)
         tenant = s.scope(environ) if s.scope is not None else None
+        if s.principal is not None:
+            tenant = s.scope_of(self.guard.scope if tenant is None else tenant, principal)
         environ[ENVIRON_KEY] = key
         captured = {"status": 500, "headers": [], "body": b""}
 
@@ -162,9 +191,8 @@ class IdempotencyWSGIMiddleware:
         result = self.guard.do(key, fingerprint, handler, scope=tenant,
                                wait_for=s.wait_of(environ), not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
-            return self._reply(start_response, *s.replay(result.response.status,
-                                                         result.response.body,
-                                                         result.expires_at))
+            return self._replay(environ, start_response, result.response.status,
+                                result.response.body, result.expires_at)
         if result.outcome is Outcome.IN_FLIGHT:
             return self._reply(start_response, *s.in_flight(result.lease_left))
         if result.outcome is Outcome.CONFLICT:
@@ -229,8 +257,8 @@ class IdempotencyWSGIMiddleware:
         if row is None:
             return self._reply_captured(start_response, captured, s.expires(expires))
         if row.outcome() is Outcome.REPLAYED:
-            return self._reply(start_response, *s.replay(row.status, row.body or b"",
-                                                         row.expires_at))
+            return self._replay(environ, start_response, row.status, row.body or b"",
+                                row.expires_at)
         if row.outcome() is Outcome.IN_FLIGHT:
             return self._reply(start_response, *s.in_flight(row.lease_left))
         return self._reply(start_response, *s.conflict())

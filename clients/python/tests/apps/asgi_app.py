@@ -110,7 +110,8 @@ def opt_wait(scope) -> float:
 
 def fastapi_app(name: str, dsn: str, **settings) -> FastAPI:
     api = FastAPI()
-    api.add_middleware(IdempotencyMiddleware, guard=guard(dsn), scope=tenant, **settings)
+    api.add_middleware(IdempotencyMiddleware, guard=guard(dsn), scope=tenant, shared=True,
+                       **settings)
     for path, fn, method in endpoints(name):
         api.add_api_route(path, fn, methods=[method])
     return api
@@ -119,7 +120,8 @@ def fastapi_app(name: str, dsn: str, **settings) -> FastAPI:
 def starlette_app(name: str, dsn: str, **settings) -> Starlette:
     app = Starlette(routes=[Route(path, fn, methods=[method])
                             for path, fn, method in endpoints(name)])
-    app.add_middleware(IdempotencyMiddleware, guard=guard(dsn), scope=tenant, **settings)
+    app.add_middleware(IdempotencyMiddleware, guard=guard(dsn), scope=tenant, shared=True,
+                       **settings)
     return app
 
 

@@ -5,6 +5,11 @@ gunicorn with two uvicorn workers.
   /plain     default mode                 /tx        transactional mode
   /nowait    default, wait_for 0          /store5xx  5xx and 429 stored
   /down      a store nobody listens on     /short     the server's idem.max_key_length 64
+  /authz     default, authorize: X-Conf-Revoked denies a replay
+
+Every route's principal is X-Conf-Principal ("raise": the hook raises,
+"none": it returns None).  GET /no-decision reports the error of a
+middleware built with neither a principal hook nor shared=True.
 
 IDEM_CONF_DSN is the database (conf_orders), IDEM_CONF_DOWN_DSN the
 dead one.
@@ -52,10 +57,23 @@ def order(n: int) -> JSONResponse:
                         headers={"Location": "/orders/%d" % n, "ETag": '"%d"' % n})
 
 
+def principal(scope):
+    """The caller: X-Conf-Principal."""
+    who = dict(scope["headers"]).get(b"x-conf-principal", b"").decode("latin-1")
+    if who == "raise":
+        raise RuntimeError("no session")
+    return None if who == "none" else who
+
+
+def authorize(scope) -> bool:
+    return b"x-conf-revoked" not in dict(scope["headers"])
+
+
 def sub_app(name: str, dsn: str, **settings) -> FastAPI:
     api = FastAPI()
     guard = AsyncGuard(dsn, lease=30, retention=3600, timeout=5)
-    api.add_middleware(IdempotencyMiddleware, guard=guard, required=True, **settings)
+    api.add_middleware(IdempotencyMiddleware, guard=guard, required=True,
+                       principal=principal, **settings)
     status_route = "store5xx" if name == "store5xx" else "status"
 
     if settings.get("transactional"):
@@ -101,6 +119,18 @@ app.mount("/nowait", sub_app("nowait", DSN, wait_for=0))
 app.mount("/store5xx", sub_app("store5xx", DSN, store_status=lambda status: True))
 app.mount("/down", sub_app("down", DOWN_DSN))
 app.mount("/short", sub_app("short", DSN + " options='-c idem.max_key_length=64'"))
+app.mount("/authz", sub_app("authz", DSN, authorize=authorize))
+
+try:
+    IdempotencyMiddleware(app, guard=AsyncGuard(DSN))
+    NO_DECISION = None
+except TypeError as exc:
+    NO_DECISION = str(exc)
+
+
+@app.get("/no-decision")
+async def no_decision():
+    return {"error": NO_DECISION}
 
 
 @app.get("/health")

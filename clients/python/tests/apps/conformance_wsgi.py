@@ -40,6 +40,20 @@ def steer() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def principal(environ):
+    """The caller: X-Conf-Principal ("raise": the hook raises, "none": it
+    returns None)."""
+    who = environ.get("HTTP_X_CONF_PRINCIPAL", "")
+    if who == "raise":
+        raise RuntimeError("no session")
+    return None if who == "none" else who
+
+
+def authorize(environ) -> bool:
+    """/authz: X-Conf-Revoked denies a replay."""
+    return "HTTP_X_CONF_REVOKED" not in environ
+
+
 def sub_app(name: str, dsn: str, **settings) -> Flask:
     fl = Flask(name)
     status_route = "store5xx" if name == "store5xx" else "status"
@@ -77,7 +91,7 @@ def sub_app(name: str, dsn: str, **settings) -> Flask:
 
     guard = Guard(dsn, lease=30, retention=3600, timeout=5)
     fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=guard, required=True,
-                                            **settings)
+                                            principal=principal, **settings)
     return fl
 
 
@@ -89,6 +103,19 @@ def health():
     return jsonify({"ok": True})
 
 
+try:
+    IdempotencyWSGIMiddleware(root.wsgi_app, guard=Guard(DSN))
+    NO_DECISION = None
+except TypeError as exc:
+    NO_DECISION = str(exc)
+
+
+@root.get("/no-decision")
+def no_decision():
+    """The error of a middleware built with neither principal nor shared."""
+    return jsonify({"error": NO_DECISION})
+
+
 app = DispatcherMiddleware(root, {
     "/plain": sub_app("plain", DSN),
     "/tx": sub_app("tx", DSN, transactional=True),
@@ -96,4 +123,5 @@ app = DispatcherMiddleware(root, {
     "/store5xx": sub_app("store5xx", DSN, store_status=lambda status: True),
     "/down": sub_app("down", DOWN_DSN),
     "/short": sub_app("short", DSN + " options='-c idem.max_key_length=64'"),
+    "/authz": sub_app("authz", DSN, authorize=authorize),
 })

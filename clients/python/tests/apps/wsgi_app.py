@@ -73,7 +73,7 @@ def flask_app(name: str, dsn: str, **settings) -> Flask:
     guard = Guard(dsn, lease=LEASE, timeout=5, wait_for=30)
     fl.wsgi_app = IdempotencyWSGIMiddleware(
         fl.wsgi_app, guard=guard,
-        scope=lambda environ: environ.get("HTTP_X_TENANT", ""), **settings)
+        scope=lambda environ: environ.get("HTTP_X_TENANT", ""), shared=True, **settings)
     return fl
 
 
