@@ -38,8 +38,16 @@ EXTRA_CLEAN = test/output tmp_check tmp_check_iso
 
 PG_CONFIG ?= pg_config
 PGXS := $(shell $(PG_CONFIG) --pgxs 2>/dev/null)
-ifneq ($(PGXS),)
+ifeq ($(PGXS),)
+# Without pg_config nothing builds: say what installs it.
+all install installcheck:
+	@echo "$(PG_CONFIG) was not found: run 'make deps' first (it installs, with sudo if not root, PostgreSQL 15's server headers and libpq on Debian), or set PG_CONFIG=/path/to/pg_config" >&2; exit 2
+else
 include $(PGXS)
+# The expected output is that of UTF-8 databases with English messages,
+# whatever the caller's locale (test/run.sh sets the same).
+installcheck: export LANG = C.UTF-8
+installcheck: export LC_ALL = C.UTF-8
 # The TAP suites' shared cluster set-up (test/perl/IdemTest.pm).
 PROVE_FLAGS += -I test/perl
 # PGXS tracks no header dependencies (PostgreSQL built without

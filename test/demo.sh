@@ -9,7 +9,13 @@ top=$(cd "$(dirname "$0")/.." && pwd)
 cd "$top"
 
 sudo=""
-[ "$(id -u)" -eq 0 ] || sudo="sudo"
+if [ "$(id -u)" -ne 0 ]; then
+	if ! command -v sudo >/dev/null 2>&1; then
+		echo "make demo installs idem into the server's directories: run it as root, or install sudo (apt-get install sudo) and give this user sudo rights" >&2
+		exit 2
+	fi
+	sudo="sudo"
+fi
 make -s
 $sudo make -s install >/dev/null
 
