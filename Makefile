@@ -101,9 +101,12 @@ valgrind-check: deps
 
 # Build the Debian packages (debian/) from the committed tree and test them
 # in a clean Debian 12 chroot (root only).  IDEM_DEB_TAP=1 adds the TAP suites.
-.PHONY: deb
+# make deb-build only builds them (into test/output/deb/).
+.PHONY: deb deb-build
 deb:
 	bash test/deb.sh
+deb-build:
+	bash test/deb.sh --build-only
 
 # Build and run every suite and the demo against each supported PostgreSQL
 # version: 15 on the host, 17 and 18 in cached Debian chroots (root only).

@@ -7,6 +7,7 @@
 #                             checkout (a release tarball, a PGXN zip)
 #   test/deb.sh --worktree    build from the working tree as it is now
 #   test/deb.sh --prepare     only build (or check) the cached chroot
+#   test/deb.sh --build-only  only build the packages (steps 1 and 2; make deb-build)
 #
 # 1. META.json is checked against the PGXN meta spec (test/pgxn_meta.pl),
 #    and its version against debian/changelog and idem.control.
@@ -49,12 +50,14 @@ suite=bookworm
 pgv=15
 source_mode=head
 prepare_only=0
+build_only=0
 case "${1:-}" in
 --worktree) source_mode=worktree ;;
 --prepare) prepare_only=1 ;;
+--build-only) build_only=1 ;;
 "") ;;
 *)
-	echo "usage: test/deb.sh [--worktree | --prepare]" >&2
+	echo "usage: test/deb.sh [--worktree | --prepare | --build-only]" >&2
 	exit 2
 	;;
 esac
@@ -199,20 +202,9 @@ check() {
 	return 1
 }
 
-# 1. META.json.
-meta_versions() {
-	local meta changelog control
-	meta=$(perl -MJSON::PP -0777 -ne 'print decode_json($_)->{version}' "$top/META.json") &&
-		changelog=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) &&
-		control=$(sed -n "s/^default_version = '\(.*\)'/\1/p" "$top/idem.control") || return 1
-	echo "META.json $meta, debian/changelog $changelog, idem.control $control"
-	[ "$meta" = "$changelog" ] && [ "${meta%.0}" = "$control" ]
-}
-check "META.json against the PGXN meta spec" perl "$top/test/pgxn_meta.pl" "$top/META.json"
-check "versions agree" meta_versions
-
-# 2. Build.
-build_deps="dpkg-dev debhelper postgresql-server-dev-all libpq-dev dh-python
+# The build's tools (dpkg-parsechangelog, which step 1 needs too) and
+# dependencies, installed first if missing.
+build_deps="dpkg-dev build-essential debhelper postgresql-server-dev-all libpq-dev dh-python
 	pybuild-plugin-pyproject python3-all python3-setuptools lintian"
 install_build_deps() {
 	local p missing=""
@@ -227,6 +219,20 @@ install_build_deps() {
 		DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq \
 			--no-install-recommends $missing >/dev/null
 }
+
+check "build tools and dependencies on the host" install_build_deps || result
+
+# 1. META.json.
+meta_versions() {
+	local meta changelog control
+	meta=$(perl -MJSON::PP -0777 -ne 'print decode_json($_)->{version}' "$top/META.json") &&
+		changelog=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) &&
+		control=$(sed -n "s/^default_version = '\(.*\)'/\1/p" "$top/idem.control") || return 1
+	echo "META.json $meta, debian/changelog $changelog, idem.control $control"
+	[ "$meta" = "$changelog" ] && [ "${meta%.0}" = "$control" ]
+}
+check "META.json against the PGXN meta spec" perl "$top/test/pgxn_meta.pl" "$top/META.json"
+check "versions agree" meta_versions
 
 # A clean copy of the tree in $build_dir/idem-VERSION.
 copy_tree() {
@@ -266,8 +272,8 @@ build() {
 		ls "$work"/*.deb
 }
 
+# 2. Build.
 start=$SECONDS
-check "build dependencies on the host" install_build_deps || result
 check "dpkg-buildpackage -us -uc -b (log: $out/build.log)" build
 rc=$?
 t_build=$((SECONDS - start))
@@ -289,6 +295,9 @@ debs=()
 for f in "$work"/*.deb; do
 	case "$f" in *-dbgsym_*) ;; *) debs+=("$(basename "$f")") ;; esac
 done
+
+echo "packages: $out/ (install with: sudo apt-get install $out/postgresql-$pgv-idem_*.deb, and libidem-guard-dev_*.deb, python3-idem-pg_*.deb as needed)"
+[ "$build_only" -eq 0 ] || result
 
 # 3. The chroot, and this run's overlay on top of it.
 start=$SECONDS
