@@ -324,6 +324,11 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
   waitFor?: number | null;
   /** Longest key in bytes (default 255); longer: 400. */
   maxKeyLength?: number;
+  /**
+   * true: every response of the route carries Idempotency-Key-Lifetime: <seconds>, the window
+   * (the guard's retention, else the server's idem.default_retention).  Default false.
+   */
+  advertiseWindow?: boolean;
   /** Largest body read by the middleware itself, in bytes (default 1 MiB); larger: 413. */
   limit?: number;
   /** Called with each guard result (in transactional mode, transaction()'s in the same shape). */
@@ -349,6 +354,12 @@ export declare const NOT_STORED: Readonly<{ status: 500; body: Buffer }>;
  * maxLength (255) bytes of printable ASCII; null for anything else (the middleware answers 400).
  */
 export declare function parseKey(value: string | string[] | undefined, maxLength?: number): string | null;
+
+/**
+ * An IMF-fixdate (Sun, 06 Nov 1994 08:49:37 GMT), as Repeatability-First-Sent carries it, as a
+ * Date; null for anything else (the middleware answers 400).
+ */
+export declare function parseHttpDate(value: string | string[] | undefined): Date | null;
 
 declare global {
   namespace Express {

@@ -12,7 +12,7 @@ const { Guard, Outcome, failTimes } = require('./lib/guard');
 const { transaction } = require('./lib/transaction');
 const { NOT_STORED } = require('./lib/outcome');
 const { CheckpointDataError, stepIdempotencyKey } = require('./lib/steps');
-const { idempotency, saveRawBody, defaultFingerprint, parseKey, callerScope } = require('./lib/express');
+const { idempotency, saveRawBody, defaultFingerprint, parseKey, parseHttpDate, callerScope } = require('./lib/express');
 
 module.exports = {
   Guard,
@@ -24,6 +24,7 @@ module.exports = {
   saveRawBody,
   defaultFingerprint,
   parseKey,
+  parseHttpDate,
   callerScope,
   NOT_STORED,
   IdemError,

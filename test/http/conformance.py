@@ -39,6 +39,10 @@ IMF_FIXDATE = re.compile(r"^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d "
                          r"\d{4} \d\d:\d\d:\d\d GMT$")
 
 
+RESULT = "repeatability-result"
+LIFETIME = "idempotency-key-lifetime"
+LONG_AGO = "Sun, 06 Nov 1994 08:49:37 GMT"   # older than any route's window
+
 PRINCIPAL = "conf-caller"   # the caller of every request unless a check says otherwise
 
 
@@ -541,6 +545,91 @@ class Runner:
         check(isinstance(error, str) and "principal" in error and "shared" in error,
               "construction refused, naming the options", error)
 
+    # -- OASIS Repeatable Requests and the advertised window (issue #44, 5-6) ---------
+
+    def oasis(self, path, rid, first_sent, body=b"{}", **headers):
+        h = {"Repeatability-Request-ID": rid, "Repeatability-First-Sent": first_sent}
+        h.update(headers)
+        return self.post(path, None, body=body, headers=h)
+
+    def oasis_accepted(self):
+        for path, route in (("/plain/orders", "plain"), ("/tx/orders", "tx")):
+            rid = self.key("oasis")
+            sent = email.utils.formatdate(usegmt=True)
+            r1 = self.oasis(path, rid, sent)
+            check(r1.status == 201, path + " first 201", r1)
+            check(r1.header(RESULT) == "accepted", path + " accepted", r1)
+            check(r1.header(REPLAYED) is None, path + " not replayed", r1)
+            r2 = self.oasis(path, rid, sent)
+            check(r2.status == 201 and r2.body == r1.body and r2.header(REPLAYED) == "true",
+                  path + " the retry replayed", r2)
+            check(r2.header(RESULT) == "accepted", path + " the replay accepted", r2)
+            check(self.executions(rid, route) == 1, path + " one execution")
+            check(self.key_row(rid)[0] == "DONE", path + " the id is the caller's key")
+
+    def oasis_rejected(self):
+        rid = self.key("oasis-other")
+        sent = email.utils.formatdate(usegmt=True)
+        check(self.oasis("/plain/orders", rid, sent).header(RESULT) == "accepted", "first")
+        r = self.oasis("/plain/orders", rid, sent, body=b'{"other": 1}')
+        self.problem(r, 422)
+        check(r.header(RESULT) == "rejected", "rejected", r)
+        check(self.executions(rid, "plain") == 1, "one execution")
+
+    def oasis_too_old(self):
+        for path, route in (("/plain/orders", "plain"), ("/tx/orders", "tx")):
+            rid = self.key("oasis-old")
+            r = self.oasis(path, rid, LONG_AGO)
+            self.problem(r, 412)
+            check(r.header(RESULT) == "rejected", path + " rejected", r)
+            check(self.executions(rid, route) == 0, path + " no execution")
+            check(self.rows(rid) == 0, path + " nothing claimed")
+
+    def oasis_malformed(self):
+        rid = self.key("oasis-bad")
+        now = email.utils.formatdate(usegmt=True)
+        for what, headers in (
+                ("a date that is no IMF-fixdate",
+                 {"Repeatability-Request-ID": rid, "Repeatability-First-Sent": "yesterday"}),
+                ("an RFC 850 date",
+                 {"Repeatability-Request-ID": rid,
+                  "Repeatability-First-Sent": "Sunday, 06-Nov-94 08:49:37 GMT"}),
+                ("a Request-ID without First-Sent", {"Repeatability-Request-ID": rid}),
+                ("a First-Sent without Request-ID", {"Repeatability-First-Sent": now}),
+                ("a Request-ID and an Idempotency-Key",
+                 {"Repeatability-Request-ID": rid, "Repeatability-First-Sent": now,
+                  "Idempotency-Key": rid})):
+            r = self.post("/plain/orders", None, headers=headers)
+            self.problem(r, 400)
+            check(r.header(RESULT) == "rejected", what + ": rejected", r)
+        check(self.executions(rid, "plain") == 0, "no execution")
+        check(self.rows(rid) == 0, "nothing claimed")
+        # a request without the OASIS headers carries no Repeatability-Result
+        key = self.key("no-oasis")
+        for r in (self.post("/plain/orders", key), self.post("/plain/orders", key),
+                  self.post("/plain/orders", raw_key="")):
+            check(r.header(RESULT) is None, "no Repeatability-Result", r)
+
+    def lifetime_on(self):
+        key = self.key("life")
+        answers = [self.post("/advertise/orders", key), self.post("/advertise/orders", key),
+                   self.post("/advertise/orders", key, body=b"[]"),
+                   self.post("/advertise/orders", raw_key=""),
+                   self.request("GET", "/advertise/orders", body=b""),
+                   self.oasis("/advertise/orders", self.key("life-old"), LONG_AGO)]
+        check([r.status for r in answers] == [201, 201, 422, 400, 200, 412], "statuses",
+              answers)
+        for r in answers:
+            check(r.header(LIFETIME) == str(RETENTION), "Idempotency-Key-Lifetime", r)
+        check(self.executions(key, "advertise") == 1, "one execution")
+
+    def lifetime_off(self):
+        key = self.key("nolife")
+        for r in (self.post("/plain/orders", key), self.post("/plain/orders", key),
+                  self.request("GET", "/plain/orders", body=b"")):
+            check(r.status in (200, 201), "answered", r)
+            check(r.header(LIFETIME) is None, "no Idempotency-Key-Lifetime", r)
+
 
 def parse_size(text):
     """A SHOW of a byte setting ("1MB", "8kB", "100B") in bytes."""
@@ -588,6 +677,16 @@ def main(argv=None):
          r.bad_principal),
         ("a middleware with no principal hook and no shared opt-out is refused",
          r.no_decision),
+        ("OASIS Request-ID and First-Sent: accepted, the retry replayed and accepted",
+         r.oasis_accepted),
+        ("OASIS: the same Request-ID with another body is 422, rejected", r.oasis_rejected),
+        ("OASIS: a First-Sent older than the window is 412, rejected, nothing run or claimed",
+         r.oasis_too_old),
+        ("OASIS: a malformed or incomplete request is 400, rejected; none without the headers",
+         r.oasis_malformed),
+        ("/advertise: Idempotency-Key-Lifetime on every response of the route",
+         r.lifetime_on),
+        ("/plain: no Idempotency-Key-Lifetime when not advertised", r.lifetime_off),
     ]
     for name, fn in checks:
         r.run(name, fn)

@@ -194,6 +194,51 @@ function parseKey(value, maxLength = 255) {
   return key;
 }
 
+const DAYS = ['Sun', 'Mon', 'Tue', 'Wed', 'Thu', 'Fri', 'Sat'];
+const MONTHS = ['Jan', 'Feb', 'Mar', 'Apr', 'May', 'Jun', 'Jul', 'Aug', 'Sep', 'Oct', 'Nov', 'Dec'];
+const IMF_FIXDATE = /^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), ([0-9]{2}) (Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) ([0-9]{4}) ([0-9]{2}):([0-9]{2}):([0-9]{2}) GMT$/;
+
+/**
+ * The time of an IMF-fixdate (RFC 9110 section 5.6.7, e.g. `Sun, 06 Nov
+ * 1994 08:49:37 GMT`) as a Date; the header's optional whitespace around it
+ * is ignored.  null for anything else: the obsolete RFC 850 and asctime
+ * forms, a day name that is not the date's, a date or time out of range.
+ * A leap second (60) is read as 59.
+ */
+function parseHttpDate(value) {
+  if (Array.isArray(value)) value = value.join(', ');
+  if (typeof value !== 'string') return null;
+  const m = IMF_FIXDATE.exec(value.replace(/^[ \t]+|[ \t]+$/g, ''));
+  if (m === null) return null;
+  const [year, month, day] = [Number(m[4]), MONTHS.indexOf(m[3]), Number(m[2])];
+  const [hour, minute] = [Number(m[5]), Number(m[6])];
+  const second = Math.min(Number(m[7]), 59);
+  if (hour > 23 || minute > 59 || day < 1) return null;
+  const at = new Date(Date.UTC(year, month, day, hour, minute, second));
+  at.setUTCFullYear(year); // Date.UTC takes years 0 to 99 as 1900 to 1999
+  if (at.getUTCMonth() !== month || at.getUTCDate() !== day) return null; // 31 Nov
+  if (DAYS[at.getUTCDay()] !== m[1]) return null;
+  return at;
+}
+
+/**
+ * The key of a Repeatability-Request-ID value (OASIS Repeatable Requests):
+ * 1 to maxLength printable ASCII characters, taken as they are (no
+ * sf-string unquoting); null otherwise.
+ */
+function parseRequestId(value, maxLength = 255) {
+  if (Array.isArray(value)) value = value.join(', ');
+  if (typeof value !== 'string') return null;
+  const v = value.replace(/^[ \t]+|[ \t]+$/g, '');
+  if (v === '' || v.length > maxLength || !/^[\x20-\x7e]*$/.test(v)) return null;
+  return v;
+}
+
+/** The window as Idempotency-Key-Lifetime's whole seconds (rounded down). */
+function lifetime(windowSeconds) {
+  return String(Math.floor(windowSeconds));
+}
+
 /**
  * The SQLSTATE of a key or scope longer than the server's
  * idem.max_key_length (string_data_right_truncation).  The server is
@@ -218,6 +263,8 @@ function refusedKey(err) {
 
 function problem(res, status, title, detail, headers = {}) {
   res.status(status);
+  // An OASIS request: the middleware's own answers refuse it.
+  if (res.getHeader('Repeatability-Result') !== undefined) res.setHeader('Repeatability-Result', 'rejected');
   for (const [k, v] of Object.entries(headers)) res.setHeader(k, v);
   res.setHeader('Content-Type', 'application/problem+json');
   res.end(JSON.stringify({ type: 'about:blank', title, status, detail }));
@@ -249,6 +296,7 @@ function runCaptured(req, res, next, claim, capture, ctx) {
     // Transactional mode has no heartbeat: a signal that never aborts.
     const signal = claim.signal || new AbortController().signal;
     req.idempotency = { key: ctx.key, scope: ctx.scope, token: claim.token, signal, replayed: false };
+    if (ctx.oasis) res.setHeader('Repeatability-Result', 'accepted'); // the handler's answer
     if (claim.client) req.idempotency.client = claim.client;
     if (typeof claim.step === 'function') {
       req.idempotency.step = claim.step;
@@ -343,6 +391,7 @@ function idempotency(poolOrGuard, options = {}) {
     limit = 1024 * 1024,
     onResult = null,
     waitFor: waitForOption,
+    advertiseWindow = false,
     ...guardOptions
   } = options;
   if (principal == null && shared !== true) {
@@ -410,6 +459,36 @@ function idempotency(poolOrGuard, options = {}) {
     }
   }
 
+  // The route's window in seconds: the guard's retention, else the
+  // server's idem.default_retention, asked once (null until known).
+  let windowSeconds = null;
+  async function routeWindow() {
+    if (windowSeconds !== null) return windowSeconds;
+    const r = guard.options.retention;
+    if (typeof r === 'number') {
+      windowSeconds = r / 1000;
+      return windowSeconds;
+    }
+    let client;
+    try {
+      client = await guard.pool.connect();
+      const { rows } = r == null
+        ? await client.query("SELECT setting::int8::text AS s FROM pg_catalog.pg_settings WHERE name = 'idem.default_retention'")
+        : await client.query('SELECT extract(epoch FROM $1::interval)::text AS s', [r]);
+      if (rows.length === 0 || rows[0].s == null) {
+        warn('idem: the server has no idem.default_retention: is idem in shared_preload_libraries?');
+        return null;
+      }
+      windowSeconds = Number(rows[0].s);
+      return windowSeconds;
+    } catch (err) {
+      warn(`idem: the window (the retention) could not be read: ${err && err.message}`);
+      return null;
+    } finally {
+      if (client) client.release();
+    }
+  }
+
   /** Warnings of the hooks: the guard's logger, else console. */
   function warn(message) {
     const logger = guardOptions.logger || guard.options.logger;
@@ -419,14 +498,43 @@ function idempotency(poolOrGuard, options = {}) {
 
   async function handle(req, res, next) {
     const rawKey = req.headers[headerName];
-    if (rawKey === undefined) {
-      if (required) return problem(res, 400, 'Idempotency-Key required', `this request needs the ${header} header`);
-      return next();
-    }
-    const key = parseKey(rawKey, maxKeyLength);
-    if (key === null) {
-      return problem(res, 400, 'invalid Idempotency-Key', `the ${header} header must be an sf-string or a token` +
-        ` of 1 to ${maxKeyLength} printable ASCII characters`);
+    const rawId = req.headers['repeatability-request-id'];
+    const rawFirst = req.headers['repeatability-first-sent'];
+    const oasis = rawId !== undefined || rawFirst !== undefined;
+    let key;
+    if (oasis) { // OASIS Repeatable Requests: doc/http.md
+      res.setHeader('Repeatability-Result', 'rejected');
+      if (rawKey !== undefined) {
+        return problem(res, 400, 'two idempotency keys', `${header} and Repeatability-Request-ID in one request: send one`);
+      }
+      if (rawId === undefined || rawFirst === undefined) {
+        return problem(res, 400, 'incomplete repeatable request', 'Repeatability-Request-ID and Repeatability-First-Sent go together: both are required');
+      }
+      key = parseRequestId(rawId, maxKeyLength);
+      if (key === null) {
+        return problem(res, 400, 'invalid Repeatability-Request-ID', `the Repeatability-Request-ID header must be 1 to ${maxKeyLength} printable ASCII characters`);
+      }
+      const first = parseHttpDate(rawFirst);
+      if (first === null) {
+        return problem(res, 400, 'invalid Repeatability-First-Sent', 'the Repeatability-First-Sent header must be an IMF-fixdate (like Sun, 06 Nov 1994 08:49:37 GMT)');
+      }
+      const w = await routeWindow();
+      if (w === null) {
+        return problem(res, 503, 'idempotency store unavailable', 'the request was not processed; retry later', { 'Retry-After': String(retryAfter) });
+      }
+      if (Date.now() - first.getTime() > w * 1000) {
+        return problem(res, 412, 'repeatable request too old', `the Repeatability-First-Sent time is older than this route's window of ${lifetime(w)} seconds: the request cannot be repeated safely`);
+      }
+    } else {
+      if (rawKey === undefined) {
+        if (required) return problem(res, 400, 'Idempotency-Key required', `this request needs the ${header} header`);
+        return next();
+      }
+      key = parseKey(rawKey, maxKeyLength);
+      if (key === null) {
+        return problem(res, 400, 'invalid Idempotency-Key', `the ${header} header must be an sf-string or a token` +
+          ` of 1 to ${maxKeyLength} printable ASCII characters`);
+      }
     }
 
     let who = null;
@@ -456,7 +564,7 @@ function idempotency(poolOrGuard, options = {}) {
     const sc = principal ? callerScope(tenant, who, maxKeyLength) : tenant;
 
     const capture = {};
-    const ctx = { key, scope: sc, storedHeaders: stored, storeStatus };
+    const ctx = { key, scope: sc, storedHeaders: stored, storeStatus, oasis };
     let result;
     if (transactional) {
       try {
@@ -493,6 +601,7 @@ function idempotency(poolOrGuard, options = {}) {
         for (const [k, v] of headers) byName.set(k, [...(byName.get(k) || []), v]);
         for (const [k, v] of byName) res.setHeader(k, v.length === 1 ? v[0] : v);
         res.setHeader(replayHeader, 'true');
+        if (oasis) res.setHeader('Repeatability-Result', 'accepted');
         setExpires(res, result.expiresAt);
         return res.end(replayBody);
       }
@@ -527,9 +636,19 @@ function idempotency(poolOrGuard, options = {}) {
     }
   }
 
-  return function idempotencyMiddleware(req, res, next) {
+  /** Every response of the route: Idempotency-Key-Lifetime when advertised. */
+  async function route(req, res, next) {
+    if (advertiseWindow) {
+      const w = await routeWindow();
+      if (w !== null) res.setHeader('Idempotency-Key-Lifetime', lifetime(w));
+    }
     if (!methodSet.has(req.method)) return next();
-    handle(req, res, next).catch(next);
+    return handle(req, res, next);
+  }
+
+  return function idempotencyMiddleware(req, res, next) {
+    if (!advertiseWindow && !methodSet.has(req.method)) return next();
+    route(req, res, next).catch(next);
   };
 }
 
@@ -540,6 +659,8 @@ module.exports = {
   encodeEnvelope,
   decodeEnvelope,
   parseKey,
+  parseHttpDate,
+  parseRequestId,
   retryAfterSeconds,
   defaultStoreStatus,
   callerScope,

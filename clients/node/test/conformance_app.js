@@ -32,6 +32,7 @@ function createApp(pool, downPool, shortPool) {
     down: idempotency(downPool, { ...common, timeout: 2000 }),
     short: idempotency(shortPool, common),
     authz: idempotency(pool, { ...common, authorize: (req) => req.get('X-Conf-Revoked') === undefined }),
+    advertise: idempotency(pool, { ...common, advertiseWindow: true }),
   };
   // A middleware built with neither a principal hook nor shared: true: the error it gets.
   let noDecision = null;
@@ -79,6 +80,10 @@ function createApp(pool, downPool, shortPool) {
   app.post('/down/orders', mw.down, orders('down', () => pool));
   app.post('/short/orders', mw.short, orders('short', () => pool));
   app.post('/authz/orders', mw.authz, orders('authz', () => pool));
+  app.post('/advertise/orders', mw.advertise, orders('advertise', () => pool));
+  // GET: passed through by the middleware, answered by the app.
+  app.get('/plain/orders', mw.plain, (req, res) => res.json({ orders: [] }));
+  app.get('/advertise/orders', mw.advertise, (req, res) => res.json({ orders: [] }));
   app.get('/no-decision', (req, res) => res.json({ error: noDecision }));
   app.post('/plain/binary', mw.plain, async (req, res, next) => {
     try {

@@ -8,7 +8,7 @@ const path = require('node:path');
 const { pathToFileURL } = require('node:url');
 
 const NAMES = ['Guard', 'Outcome', 'Store', 'transaction', 'failTimes', 'idempotency', 'saveRawBody',
-  'defaultFingerprint', 'parseKey', 'callerScope', 'NOT_STORED', 'IdemError', 'FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError',
+  'defaultFingerprint', 'parseKey', 'parseHttpDate', 'callerScope', 'NOT_STORED', 'IdemError', 'FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError',
   'AlreadyCompletedError', 'CheckpointDataError', 'stepIdempotencyKey', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient',
   'isRetryableTransaction'];
 

@@ -9,9 +9,10 @@ import email.utils
 import hashlib
 import json
 import math
+import re
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
-from ._common import NOT_STORED, Response, wait_seconds
+from ._common import NOT_STORED, Response, Seconds, seconds, wait_seconds
 
 Headers = List[Tuple[str, str]]
 Answer = Tuple[int, Headers, bytes]
@@ -93,6 +94,55 @@ def parse_key(value: Optional[str], max_length: int = 255) -> Optional[str]:
     if not key or len(key) > max_length:
         raise BadKey("the key must have 1 to %d bytes" % max_length)
     return key
+
+
+class BadDate(ValueError):
+    """The header's value is no IMF-fixdate (doc/http.md): answered 400."""
+
+
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+_IMF_FIXDATE = re.compile(r"(Mon|Tue|Wed|Thu|Fri|Sat|Sun), ([0-9]{2}) "
+                          r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) ([0-9]{4}) "
+                          r"([0-9]{2}):([0-9]{2}):([0-9]{2}) GMT")
+
+
+def parse_http_date(value: str) -> _dt.datetime:
+    """The time of an IMF-fixdate (RFC 9110 section 5.6.7, e.g. ``Sun, 06
+    Nov 1994 08:49:37 GMT``), as an aware UTC datetime; the header's
+    optional whitespace around it is ignored.  The obsolete RFC 850 and
+    asctime forms, a day name that is not the date's, a date or time out
+    of range raise BadDate.  A leap second (60) is read as 59."""
+    m = _IMF_FIXDATE.fullmatch(value.strip(" \t"))
+    if m is None:
+        raise BadDate("not an IMF-fixdate (like Sun, 06 Nov 1994 08:49:37 GMT)")
+    day, month = int(m.group(2)), _MONTHS.index(m.group(3)) + 1
+    hour, minute, second = int(m.group(5)), int(m.group(6)), int(m.group(7))
+    if second == 60:
+        second = 59
+    try:
+        at = _dt.datetime(int(m.group(4)), month, day, hour, minute, second,
+                          tzinfo=_dt.timezone.utc)
+    except ValueError as exc:
+        raise BadDate("a date or time out of range (%s)" % exc) from None
+    if _DAYS[at.weekday()] != m.group(1):
+        raise BadDate("%s is a %s, not a %s" % (at.date().isoformat(), _DAYS[at.weekday()],
+                                                 m.group(1)))
+    return at
+
+
+# OASIS Repeatable Requests 1.0 (doc/http.md): the request's headers and
+# the answer's.
+REQUEST_ID = "Repeatability-Request-ID"
+FIRST_SENT = "Repeatability-First-Sent"
+RESULT = "Repeatability-Result"
+# This project's own header: the route's window in seconds (doc/http.md).
+LIFETIME = "Idempotency-Key-Lifetime"
+
+# The route's window when the guard names no retention: the server's
+# idem.default_retention, in seconds, asked once.
+WINDOW_SQL = ("SELECT setting::int8 FROM pg_catalog.pg_settings "
+              "WHERE name = 'idem.default_retention'")
 
 
 # Answers released rather than stored (doc/http.md's policy): besides 5xx,
@@ -189,6 +239,14 @@ class Settings:
     ``authorize``: a function of the request run before a stored response
     is replayed: True replays it, anything else but a triple answers 403, a (status, headers,
     body) triple is sent instead.
+
+    ``advertise_window=True``: every response of the route carries
+    ``Idempotency-Key-Lifetime: <seconds>``, the window (the guard's
+    retention, else the server's idem.default_retention).
+
+    OASIS Repeatable Requests (``Repeatability-Request-ID`` with
+    ``Repeatability-First-Sent``) are always accepted beside the
+    ``header``: see oasis_of.
     """
 
     def __init__(self, *, header: str = "Idempotency-Key",
@@ -203,7 +261,8 @@ class Settings:
                  max_key_length: int = 255,
                  wait_for: Union[None, float, Callable[[Any], Optional[float]]] = DEFAULT_WAIT_FOR,
                  principal: Optional[Callable[[Any], str]] = None, shared: bool = False,
-                 authorize: Optional[Callable[[Any], Any]] = None):
+                 authorize: Optional[Callable[[Any], Any]] = None,
+                 advertise_window: bool = False):
         if principal is None and not shared:
             raise TypeError("the idempotency middleware needs principal= (a function of the "
                             "request returning the caller's identity, which scopes its keys) "
@@ -217,6 +276,7 @@ class Settings:
             raise TypeError("authorize must be a function of the request")
         self.principal = principal
         self.shared = shared
+        self.advertise_window = bool(advertise_window)
         self.authorize = authorize
         self.header = header
         self.methods = frozenset(m.upper() for m in methods)
@@ -290,6 +350,61 @@ class Settings:
         except BadKey as exc:
             return None, problem(400, "the %s header is not a key: %s" % (self.header, exc))
 
+    def oasis_of(self, request_id: Optional[str], first_sent: Optional[str],
+                 key_header: Optional[str]) -> Tuple[Optional[str], Optional[_dt.datetime],
+                                                     Optional[Answer]]:
+        """An OASIS Repeatable Request's (key, first-sent time, None), or
+        (None, None, the 400 to answer).  Both headers are required; the
+        request id is 1 to ``max_key_length`` bytes of printable ASCII, taken
+        as it is (no sf-string unquoting), and names the same key as an
+        Idempotency-Key of that value; a request that also has ``header``
+        (``key_header``: its value) is refused."""
+        if key_header is not None:
+            return None, None, problem(400, "%s and %s in one request: send one"
+                                       % (self.header, REQUEST_ID))
+        if request_id is None or first_sent is None:
+            return None, None, problem(400, "%s and %s go together: both are required"
+                                       % (REQUEST_ID, FIRST_SENT))
+        rid = request_id.strip(" \t")
+        if not rid or len(rid) > self.max_key_length or \
+                not all(" " <= c <= "~" for c in rid):
+            return None, None, problem(400, "the %s header must be 1 to %d printable ASCII "
+                                       "characters" % (REQUEST_ID, self.max_key_length))
+        try:
+            at = parse_http_date(first_sent)
+        except BadDate as exc:
+            return None, None, problem(400, "the %s header is not an HTTP date: %s"
+                                       % (FIRST_SENT, exc))
+        return rid, at, None
+
+    @staticmethod
+    def too_old(first_sent: _dt.datetime, window: float) -> Optional[Answer]:
+        """412 when ``first_sent`` is older than the window (seconds) by
+        this server's clock: a key claimed then may be gone, and running
+        the request again would not be safe."""
+        age = (_dt.datetime.now(_dt.timezone.utc) - first_sent).total_seconds()
+        if age <= window:
+            return None
+        return problem(412, "the %s time is older than this route's window of %s seconds: "
+                       "the request cannot be repeated safely" % (FIRST_SENT, lifetime(window)))
+
+    def window_known(self, retention: Seconds) -> Optional[float]:
+        """The window in seconds when the guard names a retention, else
+        None (the server's default, to be asked with WINDOW_SQL)."""
+        return seconds(retention)
+
+    @staticmethod
+    def decorate(headers: Headers, oasis: bool, accepted: bool,
+                 window: Optional[float]) -> Headers:
+        """``headers`` with Repeatability-Result (an OASIS request) and
+        Idempotency-Key-Lifetime (``window`` known and advertised)."""
+        out = list(headers)
+        if oasis:
+            out.append((RESULT, "accepted" if accepted else "rejected"))
+        if window is not None:
+            out.append((LIFETIME, lifetime(window)))
+        return out
+
     def refused(self, error: Optional[BaseException]) -> Optional[Answer]:
         """The 400 for a claim the server refused for its key or scope
         (see refused_key), else None: a malformed key's answer, not 503,
@@ -337,6 +452,12 @@ class Settings:
     def unavailable(self) -> Tuple[int, Headers, bytes]:
         return problem(503, "the idempotency store is unavailable",
                        [("retry-after", str(self.retry_after))])
+
+
+def lifetime(window: float) -> str:
+    """The window as Idempotency-Key-Lifetime's whole seconds (rounded
+    down: a client that keeps within it is within the window)."""
+    return str(int(math.floor(window)))
 
 
 class NotStored(Exception):

@@ -20,7 +20,8 @@ from typing import Any, List, Optional, cast
 import psycopg
 
 from ._common import Outcome, Response
-from ._http import HandlerFailed, Headers, NotStored, Release, Settings, pack, twice
+from ._http import (FIRST_SENT, REQUEST_ID, WINDOW_SQL, HandlerFailed, Headers, NotStored,
+                    Release, Settings, pack, twice)
 from .aio import AsyncGuard
 from .atomic import atomic_async
 from .errors import IdemError, Timeout, transient, translate
@@ -57,6 +58,28 @@ class _Captured:
         return b"".join(self.chunks)
 
 
+class _Out:
+    """The ASGI send of a request under the middleware: adds
+    Repeatability-Result (an OASIS request; ``accepted`` once the answer
+    is the handler's or a replay) and Idempotency-Key-Lifetime (``window``,
+    when advertised) to the response's start."""
+
+    def __init__(self, send, settings: Settings) -> None:
+        self.send = send
+        self.settings = settings
+        self.oasis = False
+        self.accepted = False
+        self.window: Optional[float] = None
+
+    async def __call__(self, message) -> None:
+        if message["type"] == "http.response.start" and (self.oasis or self.window is not None):
+            extra = self.settings.decorate([], self.oasis, self.accepted, self.window)
+            message = dict(message, headers=list(message.get("headers", [])) +
+                           [(k.lower().encode("latin-1"), v.encode("latin-1"))
+                            for k, v in extra])
+        await self.send(message)
+
+
 class IdempotencyMiddleware:
     """ASGI middleware; ``guard`` is an AsyncGuard (or pass ``dsn``).
     Keyword settings: see idem_pg._http.Settings.  ``principal`` (or
@@ -84,6 +107,29 @@ class IdempotencyMiddleware:
         self.transactional = transactional
         self.settings = Settings(**settings)
         self._header = self.settings.header.lower().encode("latin-1")
+        self._window: Optional[float] = None
+
+    async def window(self) -> Optional[float]:
+        """The route's window in seconds: the guard's retention, else the
+        server's idem.default_retention (asked once, then kept); None when
+        the server could not be asked."""
+        if self._window is None:
+            w = self.settings.window_known(self.guard.retention)
+            if w is None:
+                try:
+                    async with self.guard._source.connection() as conn:
+                        async with conn.transaction():
+                            row = await (await conn.execute(WINDOW_SQL)).fetchone()
+                except Exception as exc:  # noqa: BLE001 - the store is down: no window
+                    log.warning("the window (idem.default_retention) could not be read: %s", exc)
+                    return None
+                if row is None or row[0] is None:
+                    log.warning("the server has no idem.default_retention: is idem in "
+                                "shared_preload_libraries?")
+                    return None
+                w = float(row[0])
+            self._window = w
+        return self._window
 
     async def _send(self, send, status: int, headers: Headers, body: bytes) -> None:
         await send({"type": "http.response.start", "status": status,
@@ -91,12 +137,13 @@ class IdempotencyMiddleware:
                                 for k, v in headers]})
         await send({"type": "http.response.body", "body": body, "more_body": False})
 
-    async def _send_captured(self, send, captured: _Captured, extra: Headers) -> None:
+    async def _send_captured(self, send: _Out, captured: _Captured, extra: Headers) -> None:
+        send.accepted = True                # the handler's answer
         headers = [(k, v) for k, v in captured.headers if k.lower() != "content-length"]
         headers.append(("content-length", str(len(captured.body))))
         await self._send(send, captured.status, headers + extra, captured.body)
 
-    async def _replay(self, scope, send, status: int, data: bytes, expires_at) -> None:
+    async def _replay(self, scope, send: _Out, status: int, data: bytes, expires_at) -> None:
         """The stored response, if ``authorize`` lets this caller have it."""
         s = self.settings
         if s.authorize is not None:
@@ -112,15 +159,37 @@ class IdempotencyMiddleware:
             if denied is not None:
                 await self._send(send, *denied)
                 return
+        send.accepted = True
         await self._send(send, *s.replay(status, data, expires_at))
 
     async def __call__(self, scope, receive, send) -> None:
         s = self.settings
-        if scope["type"] != "http" or scope["method"].upper() not in s.methods:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        raw = [v for k, v in scope.get("headers", []) if k.lower() == self._header]
-        key, bad = s.key_of(b", ".join(raw).decode("latin-1") if raw else None)
+        send = _Out(send, s)
+        if s.advertise_window:
+            send.window = await self.window()
+        if scope["method"].upper() not in s.methods:
+            await self.app(scope, receive, send)
+            return
+
+        def value(name: bytes) -> Optional[str]:
+            raw = [v for k, v in scope.get("headers", []) if k.lower() == name]
+            return b", ".join(raw).decode("latin-1") if raw else None
+
+        key_header = value(self._header)
+        request_id = value(REQUEST_ID.lower().encode("latin-1"))
+        first_sent = value(FIRST_SENT.lower().encode("latin-1"))
+        if request_id is not None or first_sent is not None:
+            send.oasis = True                 # OASIS Repeatable Requests
+            key, first, bad = s.oasis_of(request_id, first_sent, key_header)
+            if bad is None:
+                window = await self.window()
+                bad = (s.unavailable() if window is None
+                       else s.too_old(cast(Any, first), window))
+        else:
+            key, bad = s.key_of(key_header)
         if bad is not None:
             await self._send(send, *bad)
             return
@@ -227,7 +296,7 @@ class IdempotencyMiddleware:
             await self._send_captured(send, captured,
                                       s.expires(result.expires_at) if kept else [])
 
-    async def _transactional(self, scope, send, key, fingerprint, tenant, state,
+    async def _transactional(self, scope, send: _Out, key, fingerprint, tenant, state,
                              replay_receive, capture, captured: _Captured) -> None:
         """Claim, handler and stored response in one transaction."""
         s, g = self.settings, self.guard

@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import io
 import logging
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import psycopg
 
 from ._common import Outcome, Response
-from ._http import HandlerFailed, NotStored, Release, Settings, pack, twice
+from ._http import (FIRST_SENT, REQUEST_ID, WINDOW_SQL, HandlerFailed, NotStored, Release,
+                    Settings, pack, twice)
 from .atomic import atomic
 from .errors import IdemError, Timeout, transient, translate
 from .guard import Guard
@@ -65,6 +66,26 @@ def _flask_hook(app: Any) -> None:
     flask_app.before_request(copy_to_g)
 
 
+class _Out:
+    """The start_response of a request under the middleware: adds
+    Repeatability-Result (an OASIS request; ``accepted`` once the answer
+    is the handler's or a replay) and Idempotency-Key-Lifetime (``window``,
+    when advertised)."""
+
+    def __init__(self, start_response, settings: Settings) -> None:
+        self.start_response = start_response
+        self.settings = settings
+        self.oasis = False
+        self.accepted = False
+        self.window: Optional[float] = None
+
+    def __call__(self, status, headers, exc_info=None):
+        headers = self.settings.decorate(list(headers), self.oasis, self.accepted, self.window)
+        if exc_info is None:
+            return self.start_response(status, headers)
+        return self.start_response(status, headers, exc_info)
+
+
 class IdempotencyWSGIMiddleware:
     """WSGI middleware; ``guard`` is a Guard (or pass ``dsn``).
     ``principal`` (or ``shared=True``) is required: it gets the WSGI
@@ -91,7 +112,30 @@ class IdempotencyWSGIMiddleware:
         self.transactional = transactional
         self.settings = Settings(**settings)
         self._environ_key = "HTTP_" + self.settings.header.upper().replace("-", "_")
+        self._window: Optional[float] = None
         _flask_hook(app)
+
+    def window(self) -> Optional[float]:
+        """The route's window in seconds: the guard's retention, else the
+        server's idem.default_retention (asked once, then kept); None when
+        the server could not be asked."""
+        if self._window is None:
+            w = self.settings.window_known(self.guard.retention)
+            if w is None:
+                try:
+                    with self.guard._source.connection() as conn:
+                        with conn.transaction():
+                            row = conn.execute(WINDOW_SQL).fetchone()
+                except Exception as exc:  # noqa: BLE001 - the store is down: no window
+                    log.warning("the window (idem.default_retention) could not be read: %s", exc)
+                    return None
+                if row is None or row[0] is None:
+                    log.warning("the server has no idem.default_retention: is idem in "
+                                "shared_preload_libraries?")
+                    return None
+                w = float(row[0])
+            self._window = w
+        return self._window
 
     @staticmethod
     def _reply(start_response, status: int, headers, body: bytes):
@@ -99,6 +143,7 @@ class IdempotencyWSGIMiddleware:
         return [body]
 
     def _reply_captured(self, start_response, captured, extra):
+        start_response.accepted = True      # the handler's answer
         headers = [(k, v) for k, v in captured["headers"] if k.lower() != "content-length"]
         headers.append(("Content-Length", str(len(captured["body"]))))
         return self._reply(start_response, captured["status"], headers + extra,
@@ -115,13 +160,27 @@ class IdempotencyWSGIMiddleware:
                 return self._reply(start_response, *s.authorize_failed())
             if denied is not None:
                 return self._reply(start_response, *denied)
+        start_response.accepted = True
         return self._reply(start_response, *s.replay(status, data, expires_at))
 
     def __call__(self, environ, start_response):
         s = self.settings
+        start_response = _Out(start_response, s)
+        if s.advertise_window:
+            start_response.window = self.window()
         if environ.get("REQUEST_METHOD", "GET").upper() not in s.methods:
             return self.app(environ, start_response)
-        key, bad = s.key_of(environ.get(self._environ_key))
+        key_header = environ.get(self._environ_key)
+        request_id = environ.get("HTTP_" + REQUEST_ID.upper().replace("-", "_"))
+        first_sent = environ.get("HTTP_" + FIRST_SENT.upper().replace("-", "_"))
+        if request_id is not None or first_sent is not None:
+            start_response.oasis = True     # OASIS Repeatable Requests
+            key, first, bad = s.oasis_of(request_id, first_sent, key_header)
+            if bad is None:
+                window = self.window()
+                bad = s.unavailable() if window is None else s.too_old(cast(Any, first), window)
+        else:
+            key, bad = s.key_of(key_header)
         if bad is not None:
             return self._reply(start_response, *bad)
         if key is None:

@@ -6,6 +6,10 @@ gunicorn with two uvicorn workers.
   /nowait    default, wait_for 0          /store5xx  5xx and 429 stored
   /down      a store nobody listens on     /short     the server's idem.max_key_length 64
   /authz     default, authorize: X-Conf-Revoked denies a replay
+  /advertise default, advertise_window=True (Idempotency-Key-Lifetime)
+
+GET /<route>/orders answers 200 {"orders": []} (the middleware passes it
+through).
 
 Every route's principal is X-Conf-Principal ("raise": the hook raises,
 "none": it returns None).  GET /no-decision reports the error of a
@@ -90,6 +94,10 @@ def sub_app(name: str, dsn: str, **settings) -> FastAPI:
             await steer(request)
             return order(n)
 
+    @api.get("/orders")
+    async def list_orders():
+        return {"orders": []}
+
     @api.post("/binary")
     async def binary(request: Request):
         await insert(request, "binary")
@@ -120,6 +128,7 @@ app.mount("/store5xx", sub_app("store5xx", DSN, store_status=lambda status: True
 app.mount("/down", sub_app("down", DOWN_DSN))
 app.mount("/short", sub_app("short", DSN + " options='-c idem.max_key_length=64'"))
 app.mount("/authz", sub_app("authz", DSN, authorize=authorize))
+app.mount("/advertise", sub_app("advertise", DSN, advertise_window=True))
 
 try:
     IdempotencyMiddleware(app, guard=AsyncGuard(DSN))

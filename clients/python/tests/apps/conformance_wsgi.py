@@ -68,6 +68,10 @@ def sub_app(name: str, dsn: str, **settings) -> Flask:
         resp.headers["ETag"] = '"%d"' % n
         return resp
 
+    @fl.get("/orders")
+    def list_orders():
+        return jsonify({"orders": []})
+
     @fl.post("/binary")
     def binary():
         insert("binary")
@@ -124,4 +128,5 @@ app = DispatcherMiddleware(root, {
     "/down": sub_app("down", DOWN_DSN),
     "/short": sub_app("short", DSN + " options='-c idem.max_key_length=64'"),
     "/authz": sub_app("authz", DSN, authorize=authorize),
+    "/advertise": sub_app("advertise", DSN, advertise_window=True),
 })
