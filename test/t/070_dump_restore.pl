@@ -264,7 +264,7 @@ is(sql('src', "SELECT idem_release('doomed-flight', $doomed_tok)"),
 # A database created at 1.0, with keys and a grant, then updated.
 sql('postgres', 'CREATE DATABASE src10');
 # (the signature idem_begin had before 1.4)
-(my $app_functions_10 = $app_functions) =~ s/boolean,interval\)/boolean)/;
+(my $app_functions_10 = $app_functions) =~ s/boolean,interval,interval\)/boolean)/;
 sql('src10', "CREATE EXTENSION idem VERSION '1.0'; GRANT EXECUTE ON FUNCTION $app_functions_10 TO app");
 my %tok10 = store_keys('src10');
 sql('src10', 'ALTER EXTENSION idem UPDATE');
