@@ -56,8 +56,10 @@ delete_live_row(ControlOp op, const char *what, text *scope, text *key,
 	{
 		if (round == IDEM_MAX_CLAIM_ROUNDS)
 			idem_too_many_rounds(key);
+		/* A tombstone is live: evict forgets it, the key executes again. */
 		if (!idem_keytable_read_for_write(&kt, deleted, NULL) ||
-			deleted->expires_at <= now)
+			(deleted->expires_at <= now &&
+			 !idem_keyrow_is_tombstone(deleted, now)))
 			break;
 		if (op == CONTROL_EVICT && !deleted->done)
 			ereport(ERROR,

@@ -32,9 +32,12 @@
  * Columns of idem.keys, as created by sql/idem--1.0.sql; claimed_by is
  * added by the update to 1.3 (a table of an older version has only the
  * first eight, and its claims are bound to no role), phase and phase_data
- * by the update to 1.4 (a table of 1.3 has nine, and no recovery points).
+ * by the update to 1.4 (a table of 1.3 has nine, and no recovery points),
+ * remember_until by the update to 1.6 (a table of 1.5 has eleven, and no
+ * tombstones).
  */
-#define Natts_keys				11
+#define Natts_keys				12
+#define Natts_keys_1_5			11
 #define Natts_keys_1_3			9
 #define Natts_keys_1_2			8
 #define Anum_keys_scope			1
@@ -48,6 +51,7 @@
 #define Anum_keys_claimed_by	9
 #define Anum_keys_phase			10
 #define Anum_keys_phase_data	11
+#define Anum_keys_remember_until 12
 
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32

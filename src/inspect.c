@@ -3,7 +3,8 @@
  * inspect.c
  *	  idem_lookup: what is stored for one key, for operators.
  *
- * It shows the stored state, the token, the status, the times and the
+ * It shows the stored state (EXPIRED for a completed key remembered past
+ * its retention, a tombstone), the token, the status, the times and the
  * size of the response body, never the body itself.  EXECUTE on
  * idem_lookup is what lets a role inspect keys (PUBLIC has none); the row
  * is read through keytable.h like every other access to idem.keys.
@@ -20,6 +21,7 @@
 #include "args.h"
 #include "idem.h"
 #include "keytable.h"
+#include "settings.h"
 
 PG_FUNCTION_INFO_V1(idem_lookup);
 
@@ -45,7 +47,9 @@ idem_lookup(PG_FUNCTION_ARGS)
 		bool		nulls[6];
 
 		memset(nulls, false, sizeof(nulls));
-		values[0] = CStringGetTextDatum(row.done ? "DONE" : "PROCESSING");
+		values[0] = CStringGetTextDatum(!row.done ? "PROCESSING" :
+										(row.has_remember && row.expires_at <= idem_now()) ?
+										"EXPIRED" : "DONE");
 		values[1] = Int64GetDatum(row.token);
 		values[2] = Int32GetDatum(row.status);
 		nulls[2] = !row.done;

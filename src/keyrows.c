@@ -134,6 +134,13 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 		else
 			row->claimed_by.roleid = DatumGetObjectId(claimant);
 	}
+	if (slot->tts_tupleDescriptor->natts >= Anum_keys_remember_until &&
+		!nulls[Anum_keys_remember_until - 1])
+	{
+		row->has_remember = true;
+		row->remember_until =
+			DatumGetTimestampTz(values[Anum_keys_remember_until - 1]);
+	}
 	{
 		bool		should_free;
 		HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
@@ -419,6 +426,8 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 		nulls[Anum_keys_phase_data - 1] =
 			kt->slot->tts_isnull[Anum_keys_phase_data - 1];
 	}
+	values[Anum_keys_remember_until - 1] = TimestampTzGetDatum(kv->remember_until);
+	nulls[Anum_keys_remember_until - 1] = !kv->has_remember;
 	nulls[Anum_keys_claimed_by - 1] = !kv->claimed_by.bound;
 	if (old != NULL && kv->claimant_as_stored &&
 		desc->natts >= Anum_keys_claimed_by)
@@ -879,19 +888,99 @@ idem_keytable_read_phase(KeyTable *kt, KeyRow *row, MemoryContext cxt,
 }
 
 /*
+ * Does the version hold nothing a tombstone drops (body, recovery point,
+ * claimant)?  Then purge has made it a tombstone already.
+ */
+static bool
+is_bare_tombstone(HeapTuple tuple, TupleDesc desc)
+{
+	return heap_attisnull(tuple, Anum_keys_body, desc) &&
+		heap_attisnull(tuple, Anum_keys_claimed_by, desc) &&
+		heap_attisnull(tuple, Anum_keys_phase, desc) &&
+		heap_attisnull(tuple, Anum_keys_phase_data, desc);
+}
+
+/*
+ * Rewrite the completed version at tid, whose retention is over and which
+ * is remembered still, as its tombstone: the key, scope, fingerprint,
+ * token, status and times, without the body, the recovery point and the
+ * claimant.  Like delete_version without wait: a version another
+ * transaction changes or locks is left alone (TM_BeingModified), one
+ * changed since is not written (TM_Updated).  *blkno is the new
+ * version's block.
+ */
+static TM_Result
+tombstone_version(KeyTable *kt, ItemPointer tid, BlockNumber *blkno)
+{
+	KeyRow		row;
+	KeyValues	kv;
+	HeapTuple	tuple;
+	TM_FailureData tmfd;
+	TM_Result	result;
+	bool		index_new_version;
+	bytea	   *fingerprint;
+
+	CheckCmdReplicaIdentity(kt->rel, CMD_UPDATE);
+	fetch_version(kt, tid);
+	set_row(&row, kt->slot, NULL);
+	fingerprint = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	SET_VARSIZE(fingerprint, VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	memcpy(VARDATA(fingerprint), row.fingerprint, IDEM_FINGERPRINT_LEN);
+	memset(&kv, 0, sizeof(KeyValues));
+	kv.fingerprint = fingerprint;
+	kv.token = row.token;
+	kv.done = true;
+	kv.status = row.status;
+	kv.expires_at = row.expires_at;
+	kv.has_remember = true;
+	kv.remember_until = row.remember_until;
+	/* The index entries of a new version that is not HOT name the key. */
+	kt->scope = DatumGetTextPCopy(kt->slot->tts_values[Anum_keys_scope - 1]);
+	kt->key = DatumGetTextPCopy(kt->slot->tts_values[Anum_keys_key - 1]);
+	tuple = form_row(kt, &kv, tid);
+	result = idem_heap_update(kt->rel, tid, tuple, GetCurrentCommandId(true),
+							  false, &tmfd, &index_new_version);
+	if (result == TM_BeingModified && held_only_by_me(kt, tid))
+		result = idem_heap_update(kt->rel, tid, tuple,
+								  GetCurrentCommandId(true), true, &tmfd,
+								  &index_new_version);
+	if (result == TM_Ok)
+	{
+		*blkno = ItemPointerGetBlockNumber(&tuple->t_self);
+		idem_expiry_note(kv.remember_until, *blkno);
+		if (index_new_version)
+			insert_index_entries(kt, &tuple->t_self, UNIQUE_CHECK_YES);
+	}
+	heap_freetuple(tuple);
+	pfree(kt->scope);
+	pfree(kt->key);
+	kt->scope = NULL;
+	kt->key = NULL;
+	pfree(fingerprint);
+	return result;
+}
+
+/*
  * Delete up to limit rows of kt->rel that expired at or before now, walking
  * it in physical order from *cursor, which is moved past the last row
  * looked at, and reading at most *pages pages (which is decreased by the
  * pages read), so that a table with few expired rows is walked in many
- * short transactions rather than one long one.  *at_end is set if the walk
+ * short transactions rather than one long one.  A completed row that is
+ * remembered past its retention (remember_until, 1.6 on) is not deleted
+ * then but rewritten once as its tombstone (tombstone_version), which
+ * counts towards limit as a deletion does; the tombstone is deleted when
+ * remember_until is over.  So each row is rewritten at most once and
+ * deleted once, and its next due time is expires_at until it is a
+ * tombstone, remember_until after.  *at_end is set if the walk
  * reached the end of the table.  Blocks of ranges that ranges does not
  * mark are passed over without being read or counted, unless it says to
  * read all.  A row is deleted only if the version
  * found expired is visible to the transaction's snapshot, is still the
  * latest, and no transaction holds it: the delete never waits.
  *
- * The least_left of a block's range is lowered to the expiry of every
- * version read and left in
+ * The least_left of a block's range is lowered to the next due time
+ * (expires_at, or remember_until of a tombstone) of every version read
+ * and left in
  * place that a transaction may still see or make visible: live ones, those
  * not yet committed (inserted or deleted), and those the delete skipped,
  * but not those a committed transaction deleted or replaced.  Reading
@@ -912,6 +1001,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	BlockNumber first = ItemPointerGetBlockNumberNoCheck(cursor);
 	OffsetNumber first_offset = ItemPointerGetOffsetNumberNoCheck(cursor);
 	TupleDesc	desc = RelationGetDescr(kt->rel);
+	bool		remembers = desc->natts >= Anum_keys_remember_until;
 	BlockNumber nblocks;
 	BlockNumber blkno;
 	BlockNumber nread = 0;
@@ -940,6 +1030,8 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	{
 		OffsetNumber expired[MaxHeapTuplesPerPage];
 		TimestampTz expired_at[MaxHeapTuplesPerPage];
+		bool		to_tombstone[MaxHeapTuplesPerPage];
+		TimestampTz remembered_until[MaxHeapTuplesPerPage];
 		int			nexpired = 0;
 		int			range = idem_purge_range_of(ranges->shift, blkno);
 		TimestampTz *least_left = &ranges->least_left[range];
@@ -975,6 +1067,9 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			HeapTupleData tuple;
 			TransactionId dead_after;
 			TimestampTz expires_at;
+			TimestampTz due;
+			TimestampTz remember_until = 0;
+			bool		tombstone = false;
 			bool		isnull;
 			bool		visible;
 
@@ -997,15 +1092,34 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			expires_at = DatumGetTimestampTz(heap_getattr(&tuple,
 														  Anum_keys_expires_at,
 														  desc, &isnull));
+			due = expires_at;
+			if (remembers && !isnull && expires_at <= now &&
+				!heap_attisnull(&tuple, Anum_keys_status, desc))
+			{
+				bool		rnull;
+
+				remember_until = DatumGetTimestampTz(heap_getattr(&tuple,
+																  Anum_keys_remember_until,
+																  desc, &rnull));
+				if (!rnull && remember_until > now)
+				{
+					/* Remembered: a tombstone already is due only then. */
+					tombstone = true;
+					if (is_bare_tombstone(&tuple, desc))
+						due = remember_until;
+				}
+			}
 			visible = HeapTupleSatisfiesVisibility(&tuple, snapshot, buf);
 			HeapCheckForSerializableConflictOut(visible, kt->rel, &tuple,
 												buf, snapshot);
-			if (!visible || isnull || expires_at > now)
+			if (!visible || isnull || due > now)
 			{
-				*least_left = Min(*least_left, expires_at);
+				*least_left = Min(*least_left, due);
 				continue;
 			}
 			expired_at[nexpired] = expires_at;
+			to_tombstone[nexpired] = tombstone;
+			remembered_until[nexpired] = remember_until;
 			expired[nexpired++] = off;
 		}
 		LockBuffer(buf, BUFFER_LOCK_UNLOCK);
@@ -1016,7 +1130,21 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 			ItemPointerData tid;
 
 			ItemPointerSet(&tid, blkno, expired[i]);
-			if (delete_version(kt, &tid, false) == TM_Ok)
+			if (to_tombstone[i])
+			{
+				BlockNumber newblk;
+
+				if (tombstone_version(kt, &tid, &newblk) == TM_Ok)
+				{
+					TimestampTz *left = &ranges->least_left[idem_purge_range_of(ranges->shift, newblk)];
+
+					*left = Min(*left, remembered_until[i]);
+					n++;
+				}
+				else
+					*least_left = Min(*least_left, expired_at[i]);
+			}
+			else if (delete_version(kt, &tid, false) == TM_Ok)
 				n++;
 			else
 				*least_left = Min(*least_left, expired_at[i]);
@@ -1036,7 +1164,7 @@ purge_relation(KeyTable *kt, TimestampTz now, int64 limit, ItemPointer cursor,
 	if (!stopped)
 		ItemPointerSet(cursor, blkno, 0);
 	*pages -= nread;
-	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %u read, %lld rows deleted",
+	elog(DEBUG1, "idem purge batch of \"%s\": blocks %u to %u of %u, %u read, %lld rows deleted or made tombstones",
 		 RelationGetRelationName(kt->rel), first, blkno - 1, nblocks, nread,
 		 (long long) n);
 	return n;

@@ -62,11 +62,12 @@ typedef enum ClaimState
 {
 	CLAIM_PROCESSING,
 	CLAIM_DONE,
-	CLAIM_CONFLICT
+	CLAIM_CONFLICT,
+	CLAIM_EXPIRED				/* a tombstone: completed, response gone */
 } ClaimState;
 
 static const char *const claim_state_names[] = {
-	"PROCESSING", "DONE", "CONFLICT"
+	"PROCESSING", "DONE", "CONFLICT", "EXPIRED"
 };
 
 /* The one row idem_begin returns; NULL fields are flagged false. */
@@ -94,6 +95,9 @@ typedef struct ClaimArgs
 	bool		wait;
 	Interval   *lease;			/* as given; NULL for the default */
 	Interval   *retention;
+	bool		has_remember;	/* remember was given (1.6 on) */
+	TimestampTz remember_until; /* of a claim made now */
+	Interval   *remember;
 	TimestampTz now;
 	TimestampTz lease_until;	/* of a claim made now */
 	TimestampTz expires_at;
@@ -230,6 +234,8 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 	kv->has_lease = true;
 	kv->lease_until = args->lease_until;
 	kv->expires_at = expires_at;
+	kv->has_remember = args->has_remember;
+	kv->remember_until = args->remember_until;
 	idem_keytable_current_claimant(&kv->claimed_by);
 }
 
@@ -241,13 +247,30 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 static Decision
 decide(ClaimArgs *args, KeyRow *row, ClaimResult *res)
 {
+	bool		tombstone = false;
+
 	if (row->expires_at <= args->now)
-		return DECISION_CLAIM;	/* the window is over: the key is new again */
+	{
+		/* The window is over: the key is new again, unless remembered. */
+		if (!idem_keyrow_is_tombstone(row, args->now))
+			return DECISION_CLAIM;
+		tombstone = true;
+	}
 	if (!same_fingerprint(row, args->fingerprint))
 	{
 		/* Reveal nothing of the stored request or response. */
 		res->state = CLAIM_CONFLICT;
 		idem_stats_count(IDEM_STAT_CONFLICTS);
+		return DECISION_ANSWERED;
+	}
+	if (tombstone)
+	{
+		/* Completed once, never to run again: the status, no body. */
+		res->state = CLAIM_EXPIRED;
+		res->has_response = true;
+		res->status = row->status;
+		res->has_expiry = true;
+		res->expires_at = row->expires_at;
 		return DECISION_ANSWERED;
 	}
 	if (row->done)
@@ -280,6 +303,9 @@ claim_args_now(ClaimArgs *args)
 										idem_default_lease, "lease");
 	args->expires_at = idem_window_end(args->now, args->retention,
 									   idem_default_retention, "retention");
+	if (args->has_remember)
+		args->remember_until = idem_window_end(args->now, args->remember, 0,
+											   "remember");
 }
 
 /*
@@ -340,6 +366,13 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 	kv.token = IDEM_NEW_TOKEN;
 	/* A takeover keeps the recovery point of the claim it ends. */
 	kv.phase_as_stored = takeover;
+	/* ... and how long the key is remembered, unless asked for longer. */
+	if (takeover && row->has_remember &&
+		(!kv.has_remember || row->remember_until > kv.remember_until))
+	{
+		kv.has_remember = true;
+		kv.remember_until = row->remember_until;
+	}
 	written = idem_keytable_update(kt, row, &kv, wait);
 	if (written == KEYWRITE_OK)
 	{
@@ -717,6 +750,10 @@ idem_begin(PG_FUNCTION_ARGS)
 	args.wait = PG_GETARG_BOOL(5);
 	args.lease = interval_arg(fcinfo, 2);
 	args.retention = interval_arg(fcinfo, 3);
+	/* remember, the eighth argument from 1.6 on */
+	args.has_remember = PG_NARGS() > 7 && !PG_ARGISNULL(7);
+	args.remember = args.has_remember ? PG_GETARG_INTERVAL_P(7) : NULL;
+	args.remember_until = 0;
 	claim_args_now(&args);
 	if (args.lease_until > args.expires_at)
 		ereport(ERROR,
@@ -727,6 +764,15 @@ idem_begin(PG_FUNCTION_ARGS)
 						   idem_window_text(args.retention, idem_default_retention,
 											"retention")),
 				 errhint("Pass a shorter lease or a longer retention.")));
+	if (args.has_remember && args.remember_until < args.expires_at)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("remember must not be shorter than retention"),
+				 errdetail("remember is %s; the retention is %s.",
+						   idem_window_text(args.remember, 0, "remember"),
+						   idem_window_text(args.retention, idem_default_retention,
+											"retention")),
+				 errhint("Pass a longer remember, or none.")));
 	/* wait_for, the seventh argument of the 1.4 overload */
 	args.wait_until = 0;
 	args.lock_wait_until = 0;
@@ -753,6 +799,15 @@ idem_begin(PG_FUNCTION_ARGS)
 
 	memset(&res, 0, sizeof(res));
 	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
+	/* A table without remember_until would forget the tombstone. */
+	if (unlikely(args.has_remember &&
+				 RelationGetDescr(kt.rel)->natts < Anum_keys_remember_until))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("idem_begin() cannot remember a key in table \"%s\": it has the layout of idem 1.5 or earlier",
+						RelationGetRelationName(kt.rel)),
+				 errdetail("The table has no remember_until column, which the update to 1.6 adds."),
+				 errhint("Run ALTER EXTENSION idem UPDATE; under Citus, on the coordinator, so that every shard is updated.")));
 	if (args.wait_until != 0)
 		idem_waits_prepare(scope, key);
 	claim_key(&kt, &args, &res);
@@ -848,6 +903,47 @@ typedef enum Holder
 } Holder;
 
 /*
+ * Refuse any write of a tombstone, which keeps no claimant and no
+ * response: nothing is changed, whatever the token.  The errors are those
+ * of a completed key: ID003 without a token (or with one the key never
+ * had), ID002 for a superseded token, ID004 for the key's last token.
+ */
+static void
+tombstone_refused(const HeldCall *hc, KeyRow *row)
+{
+	if (!hc->has_token)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_NO_CLAIM),
+				 errmsg("idempotency key \"%s\" is not claimed by this transaction",
+						idem_key_for_message(hc->key)),
+				 errdetail("The key is completed and its retention window is over; it is remembered without its response.")));
+	if (hc->token < row->token)
+	{
+		idem_stats_count(IDEM_STAT_SUPERSEDED);
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
+				 errmsg("idempotency key \"%s\" is held by a newer claim",
+						idem_key_for_message(hc->key)),
+				 errdetail("Token %lld was superseded: the key was taken over "
+						   "after the lease ran out, or released and claimed again.",
+						   (long long) hc->token)));
+	}
+	if (hc->token != row->token)
+		ereport(ERROR,
+				(errcode(ERRCODE_IDEM_NO_CLAIM),
+				 errmsg("idempotency key \"%s\" has no claim with token %lld",
+						idem_key_for_message(hc->key), (long long) hc->token),
+				 errdetail("Token %lld was never issued for this key.",
+						   (long long) hc->token)));
+	ereport(ERROR,
+			(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
+			 errmsg("idempotency key \"%s\" is already completed",
+					idem_key_for_message(hc->key)),
+			 errdetail("Its retention window is over; it is remembered without its response until %s.",
+					   timestamptz_to_str(row->remember_until))));
+}
+
+/*
  * The holder rules: may the caller of hc write the key's row as read?  A
  * call without a token stands for the claim this transaction made.
  * Outside the claiming transaction the token is not proof enough, since
@@ -868,6 +964,8 @@ check_holder(const HeldCall *hc, KeyRow *row, bool binds_roles)
 	bool		outside;
 	bool		unbound;
 
+	if (unlikely(idem_keyrow_is_tombstone(row, hc->now)))
+		tombstone_refused(hc, row);
 	if (!row->found || row->expires_at <= hc->now)
 	{
 		if (hc->op == HELD_RELEASE)
@@ -997,6 +1095,8 @@ held_values(const HeldCall *hc, KeyRow *row, KeyValues *kv)
 	kv->expires_at = row->expires_at;
 	kv->claimed_by = row->claimed_by;
 	kv->claimant_as_stored = true;
+	kv->has_remember = row->has_remember;
+	kv->remember_until = row->remember_until;
 	/* A completion drops the recovery point; a checkpoint replaces it. */
 	kv->phase_as_stored = (hc->op == HELD_EXTEND);
 	if (hc->op == HELD_CHECKPOINT)

@@ -48,6 +48,8 @@ typedef struct KeyRow
 	TimestampTz lease_until;
 	TimestampTz expires_at;
 	KeyClaimant claimed_by;		/* the role that made the claim */
+	bool		has_remember;	/* remember_until is set (1.6 on) */
+	TimestampTz remember_until; /* a completed key is remembered until then */
 	TransactionId xmin;
 	ItemPointerData tid;
 } KeyRow;
@@ -129,7 +131,22 @@ typedef struct KeyValues
 	bool		phase_as_stored;	/* an update keeps the stored recovery point */
 	text	   *phase;			/* else this one; NULL for none */
 	bytea	   *phase_data;
+	bool		has_remember;	/* remember_until is set */
+	TimestampTz remember_until;
 } KeyValues;
+
+/*
+ * Is the row a tombstone at now: completed, its retention over, and still
+ * remembered (remember_until, 1.6 on)?  A retry of it answers EXPIRED and
+ * never executes again; purge drops its body and keeps the rest of the row
+ * until remember_until.
+ */
+static inline bool
+idem_keyrow_is_tombstone(const KeyRow *row, TimestampTz now)
+{
+	return row->found && row->done && row->has_remember &&
+		row->expires_at <= now && now < row->remember_until;
+}
 
 /* Pages one purge batch reads at most (8 MB with 8 kB pages). */
 #define IDEM_PURGE_BATCH_PAGES	1024

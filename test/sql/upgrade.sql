@@ -151,7 +151,7 @@ RESET ROLE;
 -- the grant made before the update is not an initial one, so a dump keeps
 -- it.
 SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
-REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval)
+REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
   FROM regress_idem_upgrade_app;
 SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
 
@@ -190,7 +190,7 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_sequence_privilege('regress_idem_reporting', 'idem.token_seq', 'SELECT') AS seq_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select,
        has_function_privilege('regress_idem_reporting',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS may_begin,
+                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE') AS may_begin,
        has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
 SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
        AS same_as_fresh
@@ -213,7 +213,7 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
        has_table_privilege('regress_idem_reporting', 'idem_waits', 'SELECT') AS new_view_select,
        has_function_privilege('regress_idem_upgrade_app',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval)', 'EXECUTE') AS app_grant_kept,
+                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE') AS app_grant_kept,
        has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
 
@@ -327,7 +327,7 @@ SELECT claimed_by FROM idem.keys WHERE key = 'u14';
 CREATE VIEW begin_probe AS SELECT claimed, state FROM idem_begin('probe', 'fp');
 SELECT rows_digest() AS rows14 \gset
 \set SHOW_CONTEXT never
-ALTER EXTENSION idem UPDATE;
+ALTER EXTENSION idem UPDATE TO '1.5';
 \set SHOW_CONTEXT errors
 SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
   FROM pg_extension WHERE extname = 'idem';
@@ -335,7 +335,7 @@ DROP VIEW begin_probe;
 -- A statement prepared before the update runs after it, planned again
 -- against the new function (the same result columns).
 PREPARE begin_prepared(text) AS SELECT claimed, state, status, body FROM idem_begin($1, 'fp');
-ALTER EXTENSION idem UPDATE;
+ALTER EXTENSION idem UPDATE TO '1.5';
 EXECUTE begin_prepared('u-unbound');
 DEALLOCATE begin_prepared;
 SELECT extversion, pg_get_function_result('idem_begin(text,text,interval,interval,text,boolean,interval)'::regprocedure)
@@ -361,6 +361,53 @@ SELECT claimed, state, token, status, body, lease_until IS NULL AS no_lease, pha
 SELECT claimed, state, token, lease_until > now() AS leased FROM idem_begin('u-quoted', 'fp', wait => false);
 SELECT (idem_begin('u15', 'fp')).claimed;
 RESET ROLE;
+
+-- The update to 1.6, with rows in flight: idem.keys gains remember_until
+-- and idem_begin a last argument, remember.  Before it, a call that
+-- reaches a table still in the 1.5 layout (a Citus shard the update left
+-- unaltered) with remember is refused, naming the update, and writes
+-- nothing; without remember it works as before.
+SELECT token AS tok_flight15 FROM idem_begin('u-flight15', 'fp', lease => '10 minutes') \gset
+SELECT token AS tok_done15 FROM idem_begin('u-done15', 'fp') \gset
+SELECT idem_complete('u-done15', 'fp', 201, 'made', :tok_done15) IS NOT NULL AS completed;
+SELECT state, status, body FROM idem_begin('u-done15', 'fp') \gset done15_
+SELECT rows_digest() AS rows15 \gset
+CREATE FUNCTION pg_temp.begin_16(text, text, interval, interval, text, boolean, interval, interval)
+  RETURNS SETOF idem.begin_result AS 'idem', 'idem_begin' LANGUAGE C;
+SELECT * FROM pg_temp.begin_16('u-rem15', 'fp', NULL, '1 hour', '', true, NULL, '2 days');
+SELECT claimed, state, token AS tok_plain15
+  FROM pg_temp.begin_16('u-plain15', 'fp', NULL, NULL, '', true, NULL, NULL) \gset
+SELECT :'claimed' AS claimed, :'state' AS state;
+SELECT count(*) AS remembered FROM idem.keys WHERE key = 'u-rem15';
+SELECT idem_release('u-plain15', :tok_plain15) AS released;
+SELECT rows_digest() = :'rows15' AS rows_as_before;
+-- A view over idem_begin is named and nothing changes, as for 1.5.
+CREATE VIEW begin_probe AS SELECT claimed, state FROM idem_begin('probe', 'fp');
+\set SHOW_CONTEXT never
+ALTER EXTENSION idem UPDATE TO '1.6';
+\set SHOW_CONTEXT errors
+DROP VIEW begin_probe;
+ALTER EXTENSION idem UPDATE TO '1.6';
+SELECT extversion, pg_get_function_identity_arguments('idem_begin'::regproc)
+  FROM pg_extension WHERE extname = 'idem';
+SELECT rows_digest() = :'rows15' AS rows_unchanged,
+       count(*) FILTER (WHERE remember_until IS NOT NULL) AS remembered
+  FROM idem.keys;
+-- The grants on idem_begin are kept, on the new signature.
+SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
+-- The completed row reads as before (a replay, not EXPIRED); the claim in
+-- flight is still in flight and its holder completes it with its token.
+SET ROLE "Regress Idem Quoted";
+SELECT (state, status, body) = (:'done15_state', :'done15_status', :'done15_body'::bytea) AS same_replay
+  FROM idem_begin('u-done15', 'fp');
+SELECT state, claimed FROM idem_begin('u-done15', 'fp', remember => '2 days');
+RESET ROLE;
+SELECT claimed, state, token IS NULL AS no_token FROM idem_begin('u-flight15', 'fp', wait => false);
+SELECT idem_complete('u-flight15', 'fp', 200, 'late', :tok_flight15) IS NOT NULL AS completed;
+SELECT state, status, remember_until FROM idem_keys WHERE key IN ('u-flight15', 'u-done15') ORDER BY key;
+-- New claims may be remembered.
+SELECT claimed FROM idem_begin('u16', 'fp', retention => '1 hour', remember => '2 days');
+SELECT remember_until - expires_at AS remembered_past_retention FROM idem.keys WHERE key = 'u16';
 -- The same objects as a fresh install, grants aside.
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v13_defs FROM ext_objects() \gset
 \c regress_idem_v11

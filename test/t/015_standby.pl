@@ -3,7 +3,10 @@
 # and changes nothing, while replays, conflicts and claims in flight are
 # answered, and a duplicate with wait_for waits for a claim made on the
 # primary (polling) and replays its response; the launcher purges
-# nothing.  Once the standby is promoted, it purges.
+# nothing.  Tombstones (remember) replay there: a completed key past its
+# retention answers EXPIRED on the standby, whether the primary's purge
+# dropped its body or not, and a new claim with remember is read-only.
+# Once the standby is promoted, it purges, and makes tombstones.
 use strict;
 use warnings;
 use PostgreSQL::Test::Cluster;
@@ -38,6 +41,17 @@ SELECT idem_complete('done', 'f', 201, convert_to('stored', 'UTF8'));
 COMMIT;
 SET idem.clock_offset = '-10s';
 SELECT count(*) FROM idem_begin('lapsed', 'f', lease => '1s', retention => '1h');
+-- Two keys completed three hours ago with a 30 minute retention,
+-- remembered for a day: the primary's purge, run with the clock two hours
+-- back (before the old- keys expire), makes the first a tombstone.
+SET idem.clock_offset = '-3h';
+SELECT idem_complete('tomb', 'f', 201, convert_to('gone', 'UTF8'), token) IS NOT NULL
+  FROM idem_begin('tomb', 'f', retention => '30 min', remember => '1 day');
+SET idem.clock_offset = '-2h';
+SELECT idem_purge();
+SET idem.clock_offset = '-3h';
+SELECT idem_complete('tomb-unpurged', 'f', 202, convert_to('kept', 'UTF8'), token) IS NOT NULL
+  FROM idem_begin('tomb-unpurged', 'f', retention => '30 min', remember => '1 day');
 });
 my $live_token = $primary->safe_psql('postgres',
 	"SELECT token FROM idem.keys WHERE key = 'live'");
@@ -51,6 +65,29 @@ sub count_keys
 }
 
 is(count_keys($standby, 'old-%'), '40', 'expired keys replicated to the standby');
+
+# Tombstones on the standby: the purged one has no body, the other still
+# has it; both answer EXPIRED with their status and no body, another
+# request is a conflict, and idem_keys shows them EXPIRED.
+is( $standby->safe_psql('postgres', q{
+SELECT string_agg(concat_ws(':', k, b.claimed, b.state, b.status, b.body IS NULL, l.state, l.body_size),
+				  ',' ORDER BY k)
+  FROM unnest(ARRAY['tomb', 'tomb-unpurged']) k,
+	   LATERAL idem_begin(k, 'f') b, LATERAL idem_lookup(k) l}),
+	'tomb:f:EXPIRED:201:t:EXPIRED,tomb-unpurged:f:EXPIRED:202:t:EXPIRED:4',
+	'tombstones answer EXPIRED on the standby, purged by the primary or not');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed, state FROM idem_begin('tomb', 'other')"),
+	'f|CONFLICT', 'another request against a tombstone is a conflict on the standby');
+is( $standby->safe_psql('postgres',
+		"SELECT string_agg(key || ':' || state, ',' ORDER BY key) FROM idem_keys WHERE key LIKE 'tomb%'"),
+	'tomb:EXPIRED,tomb-unpurged:EXPIRED', 'idem_keys shows the tombstones on the standby');
+is( $standby->safe_psql('postgres',
+		"SELECT claimed, state, status FROM idem_begin('done', 'f', remember => '2 days')"),
+	'f|DONE|201', 'a replay with remember on the standby');
+my (undef, undef, $remember_err) = $standby->psql('postgres',
+	"\\set VERBOSITY verbose\nSELECT * FROM idem_begin('new-remembered', 'f', remember => '2 days')");
+like($remember_err, qr/ERROR:  25006:/, 'a new claim with remember on the standby fails with 25006');
 
 my ($ret, $out, $err) = $standby->psql('postgres',
 	"\\set VERBOSITY verbose\nSELECT * FROM idem_begin('new', 'f')");
@@ -137,10 +174,17 @@ ok($standby->poll_query_until('postgres',
 		"SELECT count(*) FROM idem.keys WHERE key LIKE 'old-%'", '0'),
 	'expired keys purged after promotion');
 is(count_keys($standby, 'live'), '1', 'the live key stays');
+# The 40 expired keys deleted and the tombstone the primary had left with
+# its body rewritten without it: 41 rows purged.
 ok( $standby->poll_query_until('postgres',
 		"SELECT purge_runs > 0, purged_rows FROM idem_stats WHERE datname = 'postgres'",
-		't|40'),
+		't|41'),
 	'idem_stats counts the purge on the promoted server');
+is( $standby->safe_psql('postgres', q{
+SELECT string_agg(key || ':' || state || ':' || coalesce(body_size::text, 'none'), ',' ORDER BY key)
+  FROM idem_keys WHERE key LIKE 'tomb%'}),
+	'tomb:EXPIRED:none,tomb-unpurged:EXPIRED:none',
+	'the promoted server made a tombstone of the key the primary had not purged');
 is( $standby->safe_psql('postgres',
 		"SELECT claimed FROM idem_begin('new', 'f')"),
 	't', 'idem_begin works after promotion');
