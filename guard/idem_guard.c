@@ -71,9 +71,11 @@
 	"%s FROM %s.idem_begin($1::pg_catalog.text, $2::pg_catalog.text," \
 	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
 	" $6::pg_catalog.bool"
-#define SQL_BEGIN			SQL_BEGIN_ROW ") b"
-/* The same with wait_for (idem 1.4): a duplicate waits for the answer. */
-#define SQL_BEGIN_WAIT		SQL_BEGIN_ROW ", $7::pg_catalog.interval) b"
+/*
+ * guard_claim ends it: with $7 wait_for (idem 1.4: a duplicate waits for
+ * the answer) when waiting, then remember => (a server with tombstones)
+ * when set, then ") b".
+ */
 /* The extra columns of a claim for steps: the crashed claim's checkpoint. */
 #define SQL_BEGIN_STEPS_COLS	", b.phase, b.phase_data"
 #define BEGIN_COLS			6
@@ -100,6 +102,10 @@
 	"idem_begin(text, text, interval, interval, text, boolean)"
 #define FN_BEGIN_WAIT \
 	"idem_begin(text, text, interval, interval, text, boolean, interval)"
+#define FN_BEGIN_REMEMBER \
+	"idem_begin(text, text, interval, interval, text, boolean, remember => interval)"
+#define FN_BEGIN_WAIT_REMEMBER \
+	"idem_begin(text, text, interval, interval, text, boolean, interval, remember => interval)"
 #define FN_COMPLETE \
 	"idem_complete(text, text, integer, bytea, bigint, interval, text)"
 #define FN_RELEASE	"idem_release(text, bigint, text)"
@@ -734,9 +740,11 @@ call_init(GuardCall *gc, PGconn *conn, const IdemGuardOptions *opts,
 static bool
 guard_claim(GuardCall *gc, IdemSteps *steps, IdemResult *res)
 {
-	const char *values[7];
+	const char *values[8];
 	char		sql[SQL_LEN];
 	char		wait_for[32];
+	char		remember[32];
+	char		remember_arg[64] = "";
 	GuardStatement st = {sql, 6, values, NULL, NULL, 1};
 	PGresult   *row;
 	GuardError	err;
@@ -768,17 +776,29 @@ guard_claim(GuardCall *gc, IdemSteps *steps, IdemResult *res)
 				 gc->opts->wait_for_ms);
 		values[6] = wait_for;
 		st.nparams = 7;
-		snprintf(sql, sizeof(sql), SQL_BEGIN_WAIT, cols, gc->schema);
 		if (timeout_ms > 0)
 			timeout_ms += gc->opts->wait_for_ms;
 	}
-	else
-		snprintf(sql, sizeof(sql), SQL_BEGIN, cols, gc->schema);
+	if (gc->opts->remember_ms > 0)
+	{
+		/* Named, and only when set: a server without it serves the rest. */
+		snprintf(remember, sizeof(remember), "%d milliseconds",
+				 gc->opts->remember_ms);
+		values[st.nparams] = remember;
+		st.nparams++;
+		snprintf(remember_arg, sizeof(remember_arg),
+				 ", remember => $%d::pg_catalog.interval", st.nparams);
+	}
+	snprintf(sql, sizeof(sql), SQL_BEGIN_ROW "%s%s) b", cols, gc->schema,
+			 gc->opts->wait_for_ms > 0 ? ", $7::pg_catalog.interval" : "",
+			 remember_arg);
 	row = call_statement(gc->conn, &st, timeout_ms,
 						 gc->opts->clock_offset_s, NULL, &err, &uncertain);
 	if (row == NULL)
 	{
-		name_missing(gc, st.nparams == 7 ? FN_BEGIN_WAIT : FN_BEGIN, &err);
+		name_missing(gc, gc->opts->remember_ms > 0 ?
+					 (gc->opts->wait_for_ms > 0 ? FN_BEGIN_WAIT_REMEMBER : FN_BEGIN_REMEMBER) :
+					 (gc->opts->wait_for_ms > 0 ? FN_BEGIN_WAIT : FN_BEGIN), &err);
 		fail_step(res, IDEM_STEP_BEGIN, &err);
 		return false;
 	}
@@ -808,6 +828,15 @@ guard_claim(GuardCall *gc, IdemSteps *steps, IdemResult *res)
 			res->outcome = IDEM_CONFLICT;
 		else if (strcmp(state, "PROCESSING") == 0)
 			res->outcome = IDEM_IN_FLIGHT;
+		else if (strcmp(state, "EXPIRED") == 0)
+		{
+			/* Completed once, its response gone: never run again. */
+			int64_t		status = 0;
+
+			(void) row_int(row, 3, 4, &status);
+			res->resp.status = (int) status;
+			res->outcome = IDEM_EXPIRED;
+		}
 		else
 		{
 			/*
@@ -1088,6 +1117,8 @@ idem_outcome_name(IdemOutcome outcome)
 			return "CONFLICT";
 		case IDEM_UNAVAILABLE:
 			return "UNAVAILABLE";
+		case IDEM_EXPIRED:
+			return "EXPIRED";
 	}
 	return "?";
 }

@@ -36,7 +36,12 @@ typedef enum IdemOutcome
 	IDEM_REPLAYED,				/* the stored response was returned */
 	IDEM_IN_FLIGHT,				/* another caller holds a live claim */
 	IDEM_CONFLICT,				/* the key was used with another fingerprint */
-	IDEM_UNAVAILABLE			/* no claim could be made; handler not run */
+	IDEM_UNAVAILABLE,			/* no claim could be made; handler not run */
+	IDEM_EXPIRED				/* executed and completed once; its response
+								 * is no longer kept (a server with
+								 * tombstones, remember_ms): handler not
+								 * run, resp.status the first response's,
+								 * resp.body NULL */
 } IdemOutcome;
 
 /* The step that failed, if any. */
@@ -170,6 +175,10 @@ typedef struct IdemGuardOptions
 								 * takeover resumes after the crashed
 								 * claim's last checkpoint; needs idem 1.4
 								 * with recovery points */
+	int			remember_ms;	/* 0: not sent; else idem_begin's remember
+								 * (a server with tombstones), named: how
+								 * long after its retention a completed key
+								 * is remembered (outcome IDEM_EXPIRED) */
 } IdemGuardOptions;
 
 /* What idem_guard_do tells the caller. */

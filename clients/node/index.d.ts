@@ -34,6 +34,12 @@ export interface GuardOptions {
   lease?: Duration | null;
   /** Dedup window (default: idem.default_retention, 1 day). */
   retention?: Duration | null;
+  /**
+   * idem_begin's remember (a server with tombstones; default null: not sent): how long after
+   * its response's retention a completed key is still remembered.  A retry then gets the outcome
+   * 'expired' and never runs the handler.  Sent as the named argument only when set.
+   */
+  remember?: Duration | null;
   /** Wait for an uncommitted claim (default true); false answers in flight at once. */
   wait?: boolean;
   /**
@@ -88,7 +94,7 @@ export interface Logger {
   warn(message: string): void;
 }
 
-export type OutcomeName = 'executed' | 'replayed' | 'in_flight' | 'conflict' | 'unavailable';
+export type OutcomeName = 'executed' | 'replayed' | 'in_flight' | 'conflict' | 'unavailable' | 'expired';
 
 export declare const Outcome: Readonly<{
   EXECUTED: 'executed';
@@ -96,6 +102,8 @@ export declare const Outcome: Readonly<{
   IN_FLIGHT: 'in_flight';
   CONFLICT: 'conflict';
   UNAVAILABLE: 'unavailable';
+  /** Executed and completed once; its response is no longer kept (a server with tombstones): never run again. */
+  EXPIRED: 'expired';
 }>;
 
 /** The claim a handler runs under. */
@@ -175,6 +183,8 @@ export interface GuardResult {
   expiresAt: Date | null;
   /** failedStep 'complete': the fixed notStored answer was stored instead of the response. */
   notStored: boolean;
+  /** Expired: the status the first response had (its body is gone); otherwise null. */
+  status: number | null;
   /** Why storing the notStored answer failed too, if it did. */
   notStoredError?: unknown;
   /** Executed: the step the claim resumed from after a takeover (claim.resumedFrom), else null. */
@@ -219,6 +229,8 @@ export interface TransactionResult {
   expiresAt: Date | null;
   /** Executed: idem_complete refused the response and the notStored answer was stored instead. */
   notStored: boolean;
+  /** Expired: the status the first response had; otherwise absent or null. */
+  status?: number | null;
 }
 
 /**
@@ -259,7 +271,7 @@ export declare class Store {
   constructor(options?: { schema?: string });
   readonly schema: string;
   /** waitFor (ms or interval text; 0/null: none) calls the seven-argument idem_begin with wait_for. */
-  begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean; waitFor?: Duration | null }): Promise<BeginRow>;
+  begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean; waitFor?: Duration | null; remember?: Duration | null }): Promise<BeginRow>;
   complete(client: ClientBase, args: { key: string; fingerprint: string; status: number; body?: Body; token?: bigint | null; retention?: Duration | null; scope?: string }): Promise<Date>;
   release(client: ClientBase, args: { key: string; token?: bigint | null; scope?: string }): Promise<boolean>;
   extend(client: ClientBase, args: { key: string; token?: bigint | null; lease: Duration; scope?: string }): Promise<Date>;
@@ -329,6 +341,12 @@ export interface IdempotencyOptions extends Omit<GuardOptions, 'scope'> {
    * (the guard's retention, else the server's idem.default_retention).  Default false.
    */
   advertiseWindow?: boolean;
+  /**
+   * This route's idem_begin remember (a server with tombstones; default: the guard's, null: not
+   * sent).  A retry after the stored response's retention but within remember is answered 410
+   * (problem+json, 'response expired'); the handler does not run.
+   */
+  remember?: Duration | null;
   /** Largest body read by the middleware itself, in bytes (default 1 MiB); larger: 413. */
   limit?: number;
   /** Called with each guard result (in transactional mode, transaction()'s in the same shape). */

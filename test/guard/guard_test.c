@@ -1032,7 +1032,7 @@ test_schema(PGconn *conn)
 				  " RETURNS TABLE (claimed boolean, state text, token bigint,"
 				  " status integer, body bytea, lease_until timestamptz,"
 				  " expires_at timestamptz) LANGUAGE sql AS"
-				  " $$SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),"
+				  " $$SELECT false, 'TOMBSTONED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),"
 				  " NULL::timestamptz, now() + interval '1 day'$$", 0, NULL));
 	opts_init(&opts);
 	opts.schema = "idem_future";
@@ -1042,7 +1042,66 @@ test_schema(PGconn *conn)
 		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
 		   res.message, ctx.calls);
 	idem_result_clear(&res);
+
+	/*
+	 * remember is sent only when set: against this idem_begin without it,
+	 * a guard with remember_ms names an argument it lacks (42883).
+	 */
+	opts.remember_ms = 1000;
+	ctx_init(&ctx);
+	run(conn, &opts, "future-remember", "fp", &ctx, &res);
+	printf("remember_unknown: outcome=%s failed=%s sqlstate=%s calls=%d\n",
+		   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+		   res.sqlstate, ctx.calls);
+	idem_result_clear(&res);
 	PQclear(query(admin, "DROP SCHEMA idem_future CASCADE", 0, NULL));
+
+	/*
+	 * EXPIRED (a server with tombstones, played by a look-alike that
+	 * records each call's remember): the handler does not run, the
+	 * result carries the first response's status and no body.
+	 */
+	PQclear(query(admin, "CREATE SCHEMA idem_tomb", 0, NULL));
+	PQclear(query(admin, "CREATE TABLE idem_tomb.calls (id bigserial, key text, remember interval)",
+				  0, NULL));
+	PQclear(query(admin,
+				  "CREATE FUNCTION idem_tomb.idem_begin(key text, fingerprint text,"
+				  " lease interval DEFAULT NULL, retention interval DEFAULT NULL,"
+				  " scope text DEFAULT '', wait boolean DEFAULT true,"
+				  " wait_for interval DEFAULT NULL, remember interval DEFAULT NULL)"
+				  " RETURNS SETOF idem.begin_result LANGUAGE plpgsql AS $$ BEGIN"
+				  " INSERT INTO idem_tomb.calls (key, remember)"
+				  " VALUES (idem_begin.key, idem_begin.remember);"
+				  " RETURN QUERY SELECT false, 'EXPIRED'::text, NULL::bigint, 201, NULL::bytea,"
+				  " NULL::timestamptz, now() + interval '1 day', NULL::text, NULL::bytea;"
+				  " END $$", 0, NULL));
+	{
+		static const char *const keys[] = {"tomb-plain", "tomb-remember", "tomb-wait"};
+		static const int remember_ms[] = {0, 90000, 5000};
+		static const int wait_for_ms[] = {0, 0, 1000};
+
+		for (int i = 0; i < 3; i++)
+		{
+			PGresult   *r;
+			const char *p[1] = {keys[i]};
+
+			opts_init(&opts);
+			opts.schema = "idem_tomb";
+			opts.remember_ms = remember_ms[i];
+			opts.wait_for_ms = wait_for_ms[i];
+			ctx_init(&ctx);
+			run(conn, &opts, keys[i], "fp", &ctx, &res);
+			r = query(admin, "SELECT coalesce((extract(epoch FROM remember) * 1000)::int8::text, 'none')"
+					  " FROM idem_tomb.calls WHERE key = $1", 1, p);
+			printf("expired_%d: outcome=%s failed=%s status=%d body=%s calls=%d remember=%s\n",
+				   i, idem_outcome_name(res.outcome), idem_step_name(res.failed),
+				   res.resp.status, res.resp.body == NULL ? "none" : "some", ctx.calls,
+				   PQntuples(r) == 1 ? PQgetvalue(r, 0, 0) : "?");
+			PQclear(r);
+			idem_result_clear(&res);
+		}
+	}
+	PQclear(query(admin, "DROP SCHEMA idem_tomb CASCADE", 0, NULL));
 
 	snprintf(sql, sizeof(sql), "DROP SCHEMA %s CASCADE", user);
 	PQclear(query(admin, sql, 0, NULL));

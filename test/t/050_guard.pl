@@ -127,7 +127,14 @@ my @expected = (
 	[ user_schema => 'outcome=EXECUTED failed=none fake_token=no calls=1 state=DONE' ],
 	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 message=schema of "nosuch".idem_begin(text, text, interval, interval, text, boolean) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem calls=1 state=NONE' ],
 	# A state the guard does not know is a failed claim, not in flight.
-	[ unknown_state => 'outcome=UNAVAILABLE failed=begin message=idem_begin answered an unknown state "EXPIRED" calls=0' ],
+	[ unknown_state => 'outcome=UNAVAILABLE failed=begin message=idem_begin answered an unknown state "TOMBSTONED" calls=0' ],
+	# remember is sent (named) only when set: that idem_begin has none.
+	[ remember_unknown => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 calls=0' ],
+	# EXPIRED (a server with tombstones, a look-alike): not run, the status
+	# without a body; remember sent when set, with and without wait_for.
+	[ expired_0 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=none' ],
+	[ expired_1 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=90000' ],
+	[ expired_2 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=5000' ],
 	[ function_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 message=function "pg_catalog".idem_begin(text, text, interval, interval, text, boolean, interval) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem (wait_for needs idem 1.4) calls=1 state=NONE' ],
 	# The client timeout fires after the claim (and the response) committed
 	# locally, while the commit waits for a synchronous standby: the claim

@@ -512,7 +512,7 @@ func TestUnavailable(t *testing.T) {
 			CREATE FUNCTION idem_future_go.idem_begin(text, text, interval, interval, text, boolean)
 			RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
 			               lease_until timestamptz, expires_at timestamptz)
-			LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),
+			LANGUAGE sql AS $$ SELECT false, 'TOMBSTONED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'),
 			                          NULL::timestamptz, now() + interval '1 day' $$`); err != nil {
 			t.Fatal(err)
 		}
@@ -524,7 +524,7 @@ func TestUnavailable(t *testing.T) {
 		var calls atomic.Int32
 		_, out, err := g.Do(bg, "future-1", "fp", okHandler(&calls))
 		if out != Unavailable || !errors.Is(err, ErrUnavailable) || calls.Load() != 0 ||
-			!strings.Contains(err.Error(), `unknown state "EXPIRED"`) {
+			!strings.Contains(err.Error(), `unknown state "TOMBSTONED"`) {
 			t.Fatalf("out=%s err=%v calls=%d", out, err, calls.Load())
 		}
 	})

@@ -18,6 +18,12 @@ const (
 	InFlight    Outcome = "IN_FLIGHT"
 	Conflicted  Outcome = "CONFLICT"
 	Unavailable Outcome = "UNAVAILABLE"
+	// Expired: the request was executed and completed once and its
+	// response's retention is over, but the key is still remembered (a
+	// server with tombstones: PostgresStore.Remember).  The handler does
+	// not run; the Response carries the first response's status and no
+	// body, and the error is ErrExpired.
+	Expired Outcome = "EXPIRED"
 )
 
 // Guard rejects a mutating request when the store cannot answer instead of
@@ -106,6 +112,8 @@ func answer(rec Record) (Response, Outcome, error) {
 		return Response{}, Conflicted, ErrConflict
 	case Processing:
 		return Response{}, InFlight, ErrInFlight
+	case ResponseExpired:
+		return Response{Status: rec.Response.Status}, Expired, ErrExpired
 	default:
 		return Response{}, Unavailable,
 			unavailable(fmt.Errorf("the store answered an unknown state %q", string(rec.State)))

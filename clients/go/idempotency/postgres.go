@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v4"
@@ -39,6 +40,14 @@ type PostgresStore struct {
 	// NoWait makes Begin report a claim that is not yet committed as in
 	// flight instead of waiting for its transaction.
 	NoWait bool
+
+	// Remember is idem_begin's remember (a server with tombstones): how
+	// long after its response's retention a completed key is still
+	// remembered, so that a retry gets the outcome Expired and never
+	// runs again.  0 (the default) does not send it; otherwise it goes as
+	// the named argument remember =>, so that a server without it serves
+	// every store that leaves it 0.
+	Remember time.Duration
 
 	// Timeout bounds each call (0: no bound besides ctx).  It is applied as
 	// a context deadline.  A BeginWait (Guard.WaitFor) is bounded by
@@ -242,10 +251,16 @@ func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier
 // calls the form with wait_for.
 func (s *PostgresStore) beginCall(key, fingerprint string, lease, retention, wait time.Duration) (string, string, []interface{}) {
 	args := []interface{}{key, fingerprint, interval(lease), interval(retention), s.Scope, !s.NoWait}
+	sql, fn := s.sql(sqlBegin), fnBegin
 	if wait > 0 {
-		return s.sql(sqlBeginWait), fnBeginWait, append(args, wait)
+		sql, fn, args = s.sql(sqlBeginWait), fnBeginWait, append(args, wait)
 	}
-	return s.sql(sqlBegin), fnBegin, args
+	if s.Remember > 0 {
+		args = append(args, s.Remember)
+		sql = strings.TrimSuffix(sql, ")") + fmt.Sprintf(", remember => $%d::interval)", len(args))
+		fn = strings.TrimSuffix(fn, ")") + ", remember interval)"
+	}
+	return sql, fn, args
 }
 
 // beginRow runs idem_begin on q and makes its answer a Record.

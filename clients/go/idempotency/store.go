@@ -21,11 +21,19 @@ const (
 	Processing State = "PROCESSING"
 	Done       State = "DONE"
 	Conflict   State = "CONFLICT"
+	// ResponseExpired is the state of a key that a server with tombstones
+	// (idem_begin's remember, PostgresStore.Remember) still remembers after
+	// its response's retention: the request was executed and completed
+	// once, its response is gone (Record.Response carries the status
+	// alone), and it must never execute again.
+	ResponseExpired State = "EXPIRED"
 )
 
 var (
 	ErrInFlight = errors.New("idempotent request is in flight")
 	ErrConflict = errors.New("idempotency key reused with different parameters")
+	// ErrExpired is the error of the outcome Expired.
+	ErrExpired = errors.New("idempotent request completed before; its response is no longer kept")
 )
 
 // Response is what a handler answered and what a retry replays.

@@ -392,6 +392,7 @@ function idempotency(poolOrGuard, options = {}) {
     onResult = null,
     waitFor: waitForOption,
     advertiseWindow = false,
+    remember,
     ...guardOptions
   } = options;
   if (principal == null && shared !== true) {
@@ -416,6 +417,8 @@ function idempotency(poolOrGuard, options = {}) {
   // logger that hears of it (a given Guard keeps its own unless one is given).
   const overrides = { waitFor, notStored: NOT_STORED_ENVELOPE };
   if (guardOptions.logger !== undefined) overrides.logger = guardOptions.logger;
+  // This route's remember (a server with tombstones), else the guard's.
+  if (remember != null) overrides.remember = normalizeOptions({ remember }).remember;
 
   /** Transactional mode: claim, handler and stored response in one transaction on a pool client. */
   async function inTransaction(req, res, next, key, fp, sc, capture, ctx) {
@@ -436,13 +439,13 @@ function idempotency(poolOrGuard, options = {}) {
     } catch (err) {
       return {
         outcome: Outcome.UNAVAILABLE, response: null, token: null, error: err, failedStep: 'begin', released: false,
-        superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false,
+        superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false, status: null,
       };
     }
     let broken = false;
     const result = {
       outcome: Outcome.UNAVAILABLE, response: null, token: null, error: null, failedStep: null, released: false,
-      superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false,
+      superseded: false, extends: 0, leaseUntil: null, expiresAt: null, notStored: false, status: null,
     };
     try {
       return { ...result, ...await transaction(client, key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), o) };
@@ -610,6 +613,9 @@ function idempotency(poolOrGuard, options = {}) {
           { 'Retry-After': String(retryAfterSeconds(result, retryAfter)) });
       case Outcome.CONFLICT:
         return problem(res, 422, 'Idempotency-Key reused', 'this key was used with a different request');
+      case Outcome.EXPIRED:
+        return problem(res, 410, 'response expired', 'a request with this key was processed and completed;' +
+          ' its response is no longer kept, and the request is not run again');
       case Outcome.UNAVAILABLE: {
         // The server refused the key or the scope (longer than its
         // idem.max_key_length): a malformed key, which no retry mends.

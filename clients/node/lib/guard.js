@@ -194,15 +194,16 @@ class Guard {
       leaseUntil: null,
       expiresAt: null,
       notStored: false,
+      status: null,
       resumedFrom: null,
       steps: [],
     };
-    const { scope, lease, retention } = o;
+    const { scope, lease, retention, remember } = o;
 
     // Claim: any failure means no dedup protection, so the handler does not run.
     let row;
     try {
-      row = await this._begin(o, { key, fingerprint, lease, retention, scope, wait: o.wait });
+      row = await this._begin(o, { key, fingerprint, lease, retention, scope, wait: o.wait, remember });
     } catch (err) {
       result.error = err;
       result.failedStep = 'begin';
@@ -218,6 +219,10 @@ class Guard {
         result.outcome = Outcome.CONFLICT;
       } else if (row.state === 'PROCESSING') {
         result.outcome = Outcome.IN_FLIGHT;
+      } else if (row.state === 'EXPIRED') {
+        // Executed and completed once; the response is gone: never run again.
+        result.outcome = Outcome.EXPIRED;
+        result.status = row.status;
       } else {
         // Not in flight: that would answer a stored response with 409 for as long as it is kept.
         result.error = unknownState(row.state);
@@ -346,7 +351,8 @@ class Guard {
     try {
       return await call(waitFor);
     } catch (err) {
-      if (!(waitFor > 0 && err instanceof IdemError && err.code === '42883')) throw err;
+      // (with remember, a 42883 may be the server's lack of remember instead: not retried)
+      if (!(waitFor > 0 && args.remember == null && err instanceof IdemError && err.code === '42883')) throw err;
       if (o.schema === this.store.schema) this._noWaitForUntil = Date.now() + NO_WAIT_FOR_RETRY_MS;
       return call(0);
     }

@@ -11,6 +11,7 @@ const DEFAULTS = Object.freeze({
   scope: '',
   lease: null, // ms or interval text; null: idem.default_lease
   retention: null, // ms or interval text; null: idem.default_retention
+  remember: null, // ms or interval text: idem_begin's remember (a server with tombstones); null: not sent
   wait: true,
   waitFor: 0, // ms a duplicate waits in the server for a committed claim's answer; 0: none
   timeout: 10000, // ms per server call, enforced by the server; 0: none
@@ -42,6 +43,7 @@ function normalizeOptions(options) {
   if (typeof o.scope !== 'string') throw new TypeError('scope must be a string');
   intervalParam(o.lease, 'lease');
   intervalParam(o.retention, 'retention');
+  intervalParam(o.remember, 'remember');
   if (typeof o.clockOffset !== 'function') clockOffsetOf(o);
   if (o.fault != null && typeof o.fault !== 'function') throw new TypeError('fault must be a function');
   if (o.logger != null && typeof o.logger.warn !== 'function') throw new TypeError('logger must have a warn(message) method');

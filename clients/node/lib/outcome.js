@@ -9,6 +9,7 @@ const Outcome = Object.freeze({
   IN_FLIGHT: 'in_flight', // another caller holds a live claim
   CONFLICT: 'conflict', // the key was used with another fingerprint
   UNAVAILABLE: 'unavailable', // no claim could be made: the handler did not run
+  EXPIRED: 'expired', // executed and completed once; its response is no longer kept (a server with tombstones)
 });
 
 /** A handler's response as stored: { status, body } with the body as a Buffer or null. */

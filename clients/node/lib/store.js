@@ -81,8 +81,12 @@ class Store {
     this.schema = options.schema ?? 'public';
     // idem_begin with its arguments (parameters or literals), each cast to
     // its type.
-    this._beginSql = (args) => `SELECT ${beginTimes} FROM ${s}.idem_begin(` +
-      args.map((a, i) => `${a}::${BEGIN_TYPES[i]}`).join(', ') + ') b';
+    // With remember (a server with tombstones), the last of args is its
+    // value, passed by name: only then, so that a server without it keeps
+    // answering every call that does not use it.
+    this._beginSql = (args, remember = false) => `SELECT ${beginTimes} FROM ${s}.idem_begin(` +
+      (remember ? args.slice(0, -1) : args).map((a, i) => `${a}::${BEGIN_TYPES[i]}`).join(', ') +
+      (remember ? `, remember => ${args[args.length - 1]}::interval` : '') + ') b';
     this.sql = {
       // Every column, read by name: phase and phase_data (a takeover's recovery
       // point) where the server has them, the rest from any idem_begin; the
@@ -136,12 +140,15 @@ class Store {
     return Store.beginRow(res.rows[0]);
   }
 
-  _beginCall({ key, fingerprint, lease = null, retention = null, scope = '', wait = true, waitFor = 0 }) {
+  _beginCall({ key, fingerprint, lease = null, retention = null, scope = '', wait = true, waitFor = 0, remember = null }) {
     const values = [checkText(key, 'key'), checkText(fingerprint, 'fingerprint'),
       intervalParam(lease, 'lease'), intervalParam(retention, 'retention'),
       checkText(scope, 'scope'), Boolean(wait)];
     if (waitFor != null && waitFor !== 0) values.push(intervalParam(waitFor, 'waitFor'));
-    return { text: values.length === 7 ? this.sql.beginWait : this.sql.begin, values };
+    const r = intervalParam(remember, 'remember');
+    if (r == null) return { text: values.length === 7 ? this.sql.beginWait : this.sql.begin, values, remember: false };
+    values.push(r);
+    return { text: this._beginSql(values.map((v, i) => `$${i + 1}`), true), values, remember: true };
   }
 
   /**
@@ -154,14 +161,14 @@ class Store {
    */
   beginLiteral(client, args) {
     if (typeof client.escapeLiteral !== 'function') return null;
-    const { text, values } = this._beginCall(args);
+    const { text, values, remember } = this._beginCall(args);
     if (values.some((v) => typeof v === 'string' && v.includes('\0'))) return null;
     const literal = values.map((v) => {
       if (v == null) return 'NULL';
       if (typeof v === 'boolean') return v ? 'true' : 'false';
       return client.escapeLiteral(v);
     });
-    return { text: this._beginSql(literal), call: text, nargs: values.length };
+    return { text: this._beginSql(literal, remember), call: text, nargs: values.length };
   }
 
   /** The error of a beginLiteral() statement, as _query() throws it. */

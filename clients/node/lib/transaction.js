@@ -22,7 +22,9 @@ const RETRY_CAP_MS = 1000;
  *
  * Resolves to { outcome, response, token, leaseUntil, expiresAt,
  * notStored }: executed (committed), replayed, in_flight (a guard's
- * committed claim is live; leaseUntil is when its lease ends) or conflict;
+ * committed claim is live; leaseUntil is when its lease ends), conflict or
+ * expired (a server with tombstones, options.remember: completed once, its
+ * response no longer kept; status is the first response's status);
  * expiresAt is until when the stored response is replayed.  With options.waitFor
  * (ms) a duplicate of a guard's committed claim waits in the server, up to
  * that long, for its answer: the replay, or the key to claim if the holder
@@ -94,7 +96,9 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
   const budget = beginBudget(o, o.waitFor);
   const lockBudget = o.lockTimeout > 0 ? o.lockTimeout : budget;
   const offset = clockOffsetOf(o);
-  const args = { key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor };
+  const args = {
+    key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor, remember: o.remember,
+  };
   // BEGIN, the session's timeouts saved and the claim's set, the clock
   // offset and the claim itself: one message where the client can write
   // the claim's values in as literals, else one statement at a time.
@@ -146,6 +150,7 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
       }
       const none = { response: null, token: null, expiresAt: null, notStored: false };
       if (row.state === 'CONFLICT') return { outcome: Outcome.CONFLICT, ...none, leaseUntil: null };
+      if (row.state === 'EXPIRED') return { outcome: Outcome.EXPIRED, ...none, leaseUntil: null, status: row.status };
       if (row.state !== 'PROCESSING') throw unknownState(row.state);
       return { outcome: Outcome.IN_FLIGHT, ...none, leaseUntil: row.leaseUntil ?? null };
     }

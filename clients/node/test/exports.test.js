@@ -20,7 +20,7 @@ test('every name is exported to CommonJS and ESM; error classes form one hierarc
     assert.equal(esm[name], cjs[name], `import: ${name}`);
   }
   assert.deepEqual(Object.keys(cjs).sort(), [...NAMES].sort());
-  assert.deepEqual(Object.values(cjs.Outcome).sort(), ['conflict', 'executed', 'in_flight', 'replayed', 'unavailable']);
+  assert.deepEqual(Object.values(cjs.Outcome).sort(), ['conflict', 'executed', 'expired', 'in_flight', 'replayed', 'unavailable']);
   const { IdemError, UnavailableError, TimeoutError, toIdemError } = cjs;
   assert.ok(new TimeoutError('x') instanceof UnavailableError);
   for (const name of ['FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError', 'AlreadyCompletedError']) {

@@ -238,7 +238,7 @@ test('a state the client does not know (a newer server) is a failed claim, not i
     CREATE FUNCTION ${schema}.idem_begin(text, text, interval, interval, text, boolean)
       RETURNS TABLE (claimed boolean, state text, token bigint, status integer, body bytea,
                      lease_until timestamptz, expires_at timestamptz)
-      LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,
+      LANGUAGE sql AS $$ SELECT false, 'TOMBSTONED', NULL::bigint, 200, pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,
                                 now() + interval '1 day' $$;`);
   t.after(async () => {
     await admin.query(`DROP SCHEMA ${schema} CASCADE`);
@@ -250,11 +250,11 @@ test('a state the client does not know (a newer server) is a failed claim, not i
   assert.equal(r.outcome, Outcome.UNAVAILABLE);
   assert.equal(r.failedStep, 'begin');
   assert.ok(r.error instanceof UnavailableError);
-  assert.match(r.error.message, /unknown state "EXPIRED"/);
+  assert.match(r.error.message, /unknown state "TOMBSTONED"/);
   const c = await pool.connect();
   try {
     await assert.rejects(idem.transaction(c, uniqueKey('future-tx'), 'fp', handler, { schema }),
-      (err) => err instanceof UnavailableError && /unknown state "EXPIRED"/.test(err.message));
+      (err) => err instanceof UnavailableError && /unknown state "TOMBSTONED"/.test(err.message));
     assert.equal((await c.query('SELECT pg_catalog.txid_current_if_assigned() IS NULL AS idle')).rows[0].idle, true);
   } finally {
     c.release();

@@ -89,19 +89,54 @@ def db():
 @pytest.fixture
 def future_schema(db):
     """A schema whose idem_begin plays a server newer than the client: it
-    answers the state 'EXPIRED', which no idem version has.  Dropped after
-    the test."""
+    answers the state 'TOMBSTONED', which no idem version has (seven
+    parameters: no remember).  Dropped after the test."""
     schema = "idem_future_%d" % os.getpid()
     db.execute("DROP SCHEMA IF EXISTS %s CASCADE" % schema)
     db.execute("CREATE SCHEMA %s" % schema)
     db.execute("CREATE FUNCTION %s.idem_begin(text, text, interval DEFAULT NULL,"
                " interval DEFAULT NULL, text DEFAULT '', boolean DEFAULT true,"
                " interval DEFAULT NULL) RETURNS SETOF idem.begin_result"
-               " LANGUAGE sql AS $$ SELECT false, 'EXPIRED', NULL::bigint, 200,"
+               " LANGUAGE sql AS $$ SELECT false, 'TOMBSTONED', NULL::bigint, 200,"
                " pg_catalog.decode('6f6b', 'hex'), NULL::timestamptz,"
                " now() + interval '1 day', NULL::text, NULL::bytea $$" % schema)
     yield schema
     db.execute("DROP SCHEMA %s CASCADE" % schema)
+
+
+@pytest.fixture
+def expired_schema(db):
+    """A schema whose idem_begin plays a server with tombstones: eight
+    parameters, the last ``remember``, and every call answered EXPIRED
+    (claimed false, status 201, body and token NULL).  Each call records
+    its key and remember in the schema's table ``calls``.  Dropped after
+    the test."""
+    schema = "idem_expired_%d" % os.getpid()
+    db.execute("DROP SCHEMA IF EXISTS %s CASCADE" % schema)
+    db.execute("CREATE SCHEMA %s" % schema)
+    db.execute("CREATE TABLE %s.calls (id bigserial PRIMARY KEY, key text,"
+               " remember interval)" % schema)
+    db.execute("CREATE FUNCTION %s.idem_begin(key text, fingerprint text,"
+               " lease interval DEFAULT NULL, retention interval DEFAULT NULL,"
+               " scope text DEFAULT '', wait boolean DEFAULT true,"
+               " wait_for interval DEFAULT NULL, remember interval DEFAULT NULL)"
+               " RETURNS SETOF idem.begin_result LANGUAGE plpgsql AS $$ BEGIN"
+               " INSERT INTO %s.calls (key, remember)"
+               " VALUES (idem_begin.key, idem_begin.remember);"
+               " RETURN QUERY SELECT false, 'EXPIRED'::text, NULL::bigint, 201, NULL::bytea,"
+               " NULL::timestamptz, now() + interval '1 day', NULL::text, NULL::bytea;"
+               " END $$" % (schema, schema))
+    yield schema
+    db.execute("DROP SCHEMA %s CASCADE" % schema)
+
+
+def remembered(conn, schema, key):
+    """The remember of each call of the expired_schema's idem_begin for key,
+    in seconds (None: the argument was not sent, or sent as NULL)."""
+    rows = conn.execute("SELECT extract(epoch FROM remember)::float8 FROM %s.calls"
+                        " WHERE key = %%s ORDER BY id" % schema, [key],
+                        binary=True).fetchall()
+    return [r[0] for r in rows]
 
 
 def calls(conn, key=None, app=None):

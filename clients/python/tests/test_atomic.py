@@ -227,7 +227,7 @@ def test_unknown_state_is_unavailable(dsn, future_schema):
     not run and nothing is committed."""
     ran = []
     with psycopg.connect(dsn, autocommit=True) as conn:
-        with pytest.raises(Unavailable, match="unknown state 'EXPIRED'"):
+        with pytest.raises(Unavailable, match="unknown state 'TOMBSTONED'"):
             with atomic(conn, new_key(), FP, schema=future_schema):
                 ran.append(True)
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE

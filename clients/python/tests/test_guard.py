@@ -95,14 +95,16 @@ def test_state_as_bytes_and_unknown_states():
     assert done.outcome() is Outcome.REPLAYED and done.response() == Response(201, b"x")
     assert BeginRow.of((False, b"CONFLICT", None, None, None)).outcome() is Outcome.CONFLICT
     assert BeginRow.of((False, b"PROCESSING", 7, None, None)).outcome() is Outcome.IN_FLIGHT
-    with pytest.raises(Unavailable, match="unknown state 'EXPIRED'"):
-        BeginRow.of((False, "EXPIRED", None, None, None)).outcome()
+    expired = BeginRow.of((False, b"EXPIRED", None, 201, None))
+    assert expired.outcome() is Outcome.EXPIRED and expired.response() is None
+    with pytest.raises(Unavailable, match="unknown state 'TOMBSTONED'"):
+        BeginRow.of((False, "TOMBSTONED", None, None, None)).outcome()
 
 
 def test_unknown_state_is_unavailable_without_the_handler(dsn, monkeypatch):
     key, h = new_key(), Calls()
     g = Guard(dsn)
-    monkeypatch.setattr(g, "begin", lambda *a, **k: BeginRow.of((False, "EXPIRED", None,
+    monkeypatch.setattr(g, "begin", lambda *a, **k: BeginRow.of((False, "TOMBSTONED", None,
                                                                   None, None)))
     r = g.do(key, FP, h)
     assert r.outcome is Outcome.UNAVAILABLE and r.failed_step == "begin"

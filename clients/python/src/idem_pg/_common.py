@@ -18,13 +18,15 @@ Seconds = Union[float, int, _dt.timedelta, None]
 
 
 class Outcome(str, enum.Enum):
-    """The five outcomes of the Go guard."""
+    """The outcomes of the Go guard: its five, and EXPIRED (a server with
+    tombstones, idem_begin's ``remember``)."""
 
     EXECUTED = "EXECUTED"        # claimed; the handler ran (see Result.failed_step)
     REPLAYED = "REPLAYED"        # completed before with this fingerprint: stored response
     IN_FLIGHT = "IN_FLIGHT"      # claimed and committed elsewhere, lease not over
     CONFLICT = "CONFLICT"        # the key was used for another fingerprint
     UNAVAILABLE = "UNAVAILABLE"  # no claim could be made; the handler did not run
+    EXPIRED = "EXPIRED"          # executed and completed once, response no longer kept
 
     def __str__(self) -> str:
         return self.value
@@ -81,7 +83,11 @@ class Result:
     ``lease_until`` and ``lease_left``, the seconds from the server's clock
     to it (when to try again), if the server named them.  ``expires_at``:
     until when the stored response (REPLAYED, or EXECUTED and stored) is
-    replayed.
+    replayed.  EXPIRED (a server with tombstones: idem_begin's
+    ``remember``): the request was executed and completed once, its
+    response's retention is over but the key is still remembered; the
+    handler does not run, ``response`` is None and ``status`` is the
+    status the first response had.
     """
 
     outcome: Outcome
@@ -96,6 +102,7 @@ class Result:
     lease_left: Optional[float] = None
     expires_at: Optional[_dt.datetime] = None
     not_stored: bool = False
+    status: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -459,6 +466,16 @@ class Statements:
             "SELECT state, token, status, lease_until, expires_at, body_size"
             " FROM {}.idem_lookup(%s::text, %s::text)", s)
 
+    @staticmethod
+    def with_remember(query: str, remember: Any) -> str:
+        """``query`` (an idem_begin call, its last character the call's
+        closing parenthesis) with ``remember => %s::interval`` added when
+        ``remember`` is set: named, and only then, so that a server without
+        the argument answers the calls that do not use it."""
+        if remember is None:
+            return query
+        return query[:-1] + ", remember => %s::interval)"
+
     def begin_query(self, wait: bool, phase: bool) -> str:
         if wait:
             return self.begin_wait_phase if phase else self.begin_wait
@@ -546,6 +563,8 @@ class BeginRow:
             return Outcome.CONFLICT
         if self.state == "PROCESSING":
             return Outcome.IN_FLIGHT
+        if self.state == "EXPIRED":
+            return Outcome.EXPIRED
         # Not a guess: IN_FLIGHT would turn a stored answer into a 409
         # forever, and EXECUTED would run the handler again.
         raise Unavailable("idem_begin answered an unknown state %r" % (self.state,))

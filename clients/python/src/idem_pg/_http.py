@@ -247,6 +247,11 @@ class Settings:
     OASIS Repeatable Requests (``Repeatability-Request-ID`` with
     ``Repeatability-First-Sent``) are always accepted beside the
     ``header``: see oasis_of.
+
+    ``remember`` (seconds or a timedelta; None: the guard's): idem_begin's
+    ``remember`` on a server with tombstones.  A retry after the stored
+    response's retention but within remember is answered 410 (expired),
+    the handler not run.
     """
 
     def __init__(self, *, header: str = "Idempotency-Key",
@@ -262,7 +267,7 @@ class Settings:
                  wait_for: Union[None, float, Callable[[Any], Optional[float]]] = DEFAULT_WAIT_FOR,
                  principal: Optional[Callable[[Any], str]] = None, shared: bool = False,
                  authorize: Optional[Callable[[Any], Any]] = None,
-                 advertise_window: bool = False):
+                 advertise_window: bool = False, remember: Seconds = None):
         if principal is None and not shared:
             raise TypeError("the idempotency middleware needs principal= (a function of the "
                             "request returning the caller's identity, which scopes its keys) "
@@ -296,6 +301,9 @@ class Settings:
         if not callable(wait_for):
             wait_seconds(wait_for)          # a bad number fails here, not per request
         self.wait_for = wait_for
+        if remember is not None and seconds(remember) is None:
+            raise ValueError("remember must be a number of seconds or a timedelta")
+        self.remember = remember
 
     def scope_of(self, tenant: str, principal: Any) -> str:
         """The scope of a request's key: the tenant alone when shared, else
@@ -448,6 +456,12 @@ class Settings:
 
     def conflict(self) -> Tuple[int, Headers, bytes]:
         return problem(422, "this %s was used for a different request" % self.header)
+
+    def expired(self) -> Tuple[int, Headers, bytes]:
+        """410: the request was executed and completed once; its stored
+        response is gone (a server with tombstones); it is not run again."""
+        return problem(410, "response expired: a request with this %s was completed "
+                       "and its response is no longer kept" % self.header)
 
     def unavailable(self) -> Tuple[int, Headers, bytes]:
         return problem(503, "the idempotency store is unavailable",

@@ -143,7 +143,8 @@ class AsyncGuard:
                  wait: bool = True, timeout: Seconds = 5.0,
                  keep_claim_on_error: bool = False, heartbeat: bool = False,
                  fault: Optional[Callable[[str], Any]] = None,
-                 clock_offset: Any = None, wait_for: Seconds = None):
+                 clock_offset: Any = None, wait_for: Seconds = None,
+                 remember: Seconds = None):
         check_wait(wait, wait_for)
         self.wait_for = wait_seconds(wait_for)
         self._wait_for_support = _WaitForSupport()
@@ -153,6 +154,7 @@ class AsyncGuard:
         self.sql = statements(schema)
         self.lease = lease
         self.retention = retention
+        self.remember = remember
         self.scope = scope
         self.wait = wait
         self.keep_claim_on_error = keep_claim_on_error
@@ -222,6 +224,7 @@ class AsyncGuard:
     async def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
                     retention: Seconds = None, scope: Optional[str] = None,
                     wait: Optional[bool] = None, wait_for: Seconds = None,
+                    remember: Seconds = None,
                     on_row=None) -> BeginRow:
         wait = self.wait if wait is None else wait
         params = [key, fingerprint,
@@ -230,20 +233,27 @@ class AsyncGuard:
                   self.scope if scope is None else scope, wait]
         w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
         offset_s = offset_seconds(self.clock_offset)
+        # remember (a server with tombstones): sent only when set
+        r = interval(self.remember if remember is None else remember)
+
+        def query(with_wait: bool, phase: bool) -> str:
+            return self.sql.with_remember(self.sql.begin_query(with_wait, phase), r)
 
         async def call(with_wait: bool) -> BeginRow:
             p = params + [interval(w)] if with_wait else params
+            if r is not None:
+                p = p + [r]
             extra = (w or 0.0) if with_wait else 0.0
             if self._phase_support.usable():
                 try:
                     return BeginRow.of(await self._run(
-                        "begin", self.sql.begin_query(with_wait, True), p, on_row,
+                        "begin", query(with_wait, True), p, on_row,
                         offset_s=offset_s, extra=extra), offset_s)
                 except Exception as exc:
                     if not self._phase_support.refused(exc, log):
                         raise
             return BeginRow.of(await self._run(
-                "begin", self.sql.begin_query(with_wait, False), p, on_row,
+                "begin", query(with_wait, False), p, on_row,
                 offset_s=offset_s, extra=extra), offset_s)
 
         if w and self._wait_for_support.usable():
@@ -363,7 +373,7 @@ class AsyncGuard:
                  handler: Callable[[AsyncClaim], Awaitable[Any]], *,
                  scope: Optional[str] = None, lease: Seconds = None,
                  retention: Seconds = None, wait: Optional[bool] = None,
-                 wait_for: Seconds = None,
+                 wait_for: Seconds = None, remember: Seconds = None,
                  not_stored: Response = NOT_STORED) -> Result:
         """Claim ``key``; replay, refuse, or await ``handler(claim)`` and store
         the Response it returns.  If the calling task is cancelled, the
@@ -381,7 +391,8 @@ class AsyncGuard:
 
         try:
             row = await self.begin(key, fingerprint, lease=lease, retention=retention,
-                                   scope=scope, wait=wait, wait_for=wait_for, on_row=seen)
+                                   scope=scope, wait=wait, wait_for=wait_for,
+                                   remember=remember, on_row=seen)
             outcome = row.outcome()
         except asyncio.CancelledError:
             if "token" in got:  # claimed, and the COMMIT may have gone through
@@ -400,6 +411,8 @@ class AsyncGuard:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
             elif outcome is Outcome.REPLAYED:
                 result.expires_at = row.expires_at
+            elif outcome is Outcome.EXPIRED:
+                result.status = row.status
             return result
 
         token = cast(int, row.token)  # an executed claim has its token

@@ -271,7 +271,8 @@ class IdempotencyMiddleware:
             return Response(captured.status, pack(s.kept(captured.headers), captured.body))
 
         result = await self.guard.do(key, fingerprint, handler, scope=tenant,
-                                     wait_for=s.wait_of(scope), not_stored=s.not_stored)
+                                     wait_for=s.wait_of(scope), remember=s.remember,
+                                     not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
             stored = cast(Response, result.response)
             await self._replay(scope, send, stored.status, stored.body, result.expires_at)
@@ -279,6 +280,8 @@ class IdempotencyMiddleware:
             await self._send(send, *s.in_flight(result.lease_left))
         elif result.outcome is Outcome.CONFLICT:
             await self._send(send, *s.conflict())
+        elif result.outcome is Outcome.EXPIRED:
+            await self._send(send, *s.expired())
         elif result.outcome is Outcome.UNAVAILABLE:
             bad = s.refused(result.error) if result.failed_step == "begin" else None
             if bad is not None:             # the server's limit: no claim, no handler
@@ -310,7 +313,9 @@ class IdempotencyMiddleware:
                                         scope=g.scope if tenant is None else tenant,
                                         wait=True, lock_timeout=g.timeout,
                                         wait_for=s.wait_of(scope) or None,
-                                        timeout=twice(g.timeout)) as tx:
+                                        timeout=twice(g.timeout),
+                                        remember=g.remember if s.remember is None
+                                        else s.remember) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:
@@ -351,6 +356,8 @@ class IdempotencyMiddleware:
                                row.expires_at)
         elif row.outcome() is Outcome.IN_FLIGHT:
             await self._send(send, *s.in_flight(row.lease_left))
+        elif row.outcome() is Outcome.EXPIRED:
+            await self._send(send, *s.expired())
         else:
             await self._send(send, *s.conflict())
 

@@ -2,7 +2,7 @@
 
     with idem_pg.atomic(conn, "order-42", "sku=A&qty=1") as tx:
         if not tx.claimed:
-            return tx.outcome, tx.response       # REPLAYED / CONFLICT / IN_FLIGHT
+            return tx.outcome, tx.response       # REPLAYED / CONFLICT / IN_FLIGHT / EXPIRED
         conn.execute("UPDATE stock SET qty = qty - 1 WHERE sku = 'A'")
         tx.complete(201, b'{"order":42}')
 
@@ -93,6 +93,11 @@ class Atomic:
         """The stored response when REPLAYED."""
         return self._row.response()
 
+    @property
+    def status(self) -> Optional[int]:
+        """EXPIRED: the status the first response had (its body is gone)."""
+        return self._row.status if self.outcome is Outcome.EXPIRED else None
+
     def _complete_args(self, status: int, body: Any, retention: Seconds):
         """idem_complete's statement and parameters."""
         if not self.claimed:
@@ -147,7 +152,7 @@ class AsyncAtomic(Atomic):
 
 def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
            retention: Seconds, scope: str, wait: bool, lock_timeout: Seconds,
-           wait_for: Seconds, timeout: Seconds):
+           wait_for: Seconds, timeout: Seconds, remember: Seconds = None):
     """The claim statement, its parameters and the bounds to set for it
     (None: leave the session's).  A wait for the holder's answer ends at
     wait_for on the server, so lock_timeout and timeout (statement_timeout)
@@ -156,12 +161,17 @@ def _begin(st: Statements, key: str, fingerprint: str, lease: Seconds,
     w = wait_seconds(wait_for) or 0.0
     bounds = _bounds(None if lock_timeout is None else cast(float, seconds(lock_timeout)) + w,
                      None if timeout is None else cast(float, seconds(timeout)) + w)
+    r = interval(remember)          # sent (as remember =>) only when set
     if lease is None and retention is None and scope == "" and wait is True and not w:
-        return st.begin_atomic_defaults, [key, fingerprint], bounds
+        if r is None:
+            return st.begin_atomic_defaults, [key, fingerprint], bounds
+        return st.with_remember(st.begin_atomic_defaults, r), [key, fingerprint, r], bounds
     params = [key, fingerprint, interval(lease), interval(retention), scope, wait]
     if w:
-        return st.begin_wait_atomic, params + [interval(w)], bounds
-    return st.begin_atomic, params, bounds
+        params.append(interval(w))
+    if r is not None:
+        params.append(r)
+    return st.with_remember(st.begin_wait_atomic if w else st.begin_atomic, r), params, bounds
 
 
 class _Retries:
@@ -319,7 +329,7 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
            schema: str = "public", lease: Seconds = None, retention: Seconds = None,
            scope: str = "", wait: bool = True, lock_timeout: Seconds = None,
            wait_for: Seconds = None, timeout: Seconds = None,
-           retries: int = 0) -> AtomicBlock:
+           retries: int = 0, remember: Seconds = None) -> AtomicBlock:
     """Claim ``key`` in a transaction on ``conn`` (see the module doc).
     ``lock_timeout`` bounds the wait for another transaction holding the
     key (Timeout, 55P03), and is restored after the claim; with
@@ -351,10 +361,15 @@ def atomic(conn: psycopg.Connection, key: str, fingerprint: str, *,
     starts later than ``timeout`` seconds after the first began.  The block
     must be safe to run again: its only effects must be its statements on
     ``conn``, which the rollback undoes.  ``with atomic(..., retries=N)``
-    with N > 0 raises TypeError: a ``with`` block cannot run twice."""
+    with N > 0 raises TypeError: a ``with`` block cannot run twice.
+
+    ``remember`` (a server with tombstones): idem_begin's remember, sent
+    only when set; a key it still remembers after its response's retention
+    gives the outcome EXPIRED (``tx.claimed`` false, ``tx.response`` None,
+    ``tx.status`` the first response's status)."""
     st = statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
-                                   lock_timeout, wait_for, timeout)
+                                   lock_timeout, wait_for, timeout, remember)
     return AtomicBlock(conn, lambda: _claim(conn, st, key, fingerprint, scope, retention,
                                             timeout, query, params, bounds),
                        retries, timeout)
@@ -392,7 +407,8 @@ def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
                  schema: str = "public", lease: Seconds = None,
                  retention: Seconds = None, scope: str = "", wait: bool = True,
                  lock_timeout: Seconds = None, wait_for: Seconds = None,
-                 timeout: Seconds = None, retries: int = 0) -> AsyncAtomicBlock:
+                 timeout: Seconds = None, retries: int = 0,
+                 remember: Seconds = None) -> AsyncAtomicBlock:
     """asyncio version of atomic().  If the task is cancelled while the
     claim waits, the wait is cancelled on the server and ``conn`` is closed
     (its transaction rolls back): psycopg cannot resume the statement.
@@ -400,7 +416,7 @@ def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
     atomic_async(...): async with attempt as tx: ...``."""
     st = statements(schema)
     query, params, bounds = _begin(st, key, fingerprint, lease, retention, scope, wait,
-                                   lock_timeout, wait_for, timeout)
+                                   lock_timeout, wait_for, timeout, remember)
     return AsyncAtomicBlock(conn, lambda: _claim_async(conn, st, key, fingerprint, scope,
                                                        retention, timeout, query, params,
                                                        bounds),

@@ -264,6 +264,13 @@ class Guard:
     in flight waits in the server up to that long for the holder's answer
     and replays it, or claims the key if the holder releases it or its
     lease ends.  The waiting call holds its connection meanwhile.
+
+    ``remember`` (seconds or a timedelta; None: not sent): idem_begin's
+    ``remember`` on a server with tombstones, how long after its response's
+    retention a completed key is still remembered: a retry then gets the
+    outcome EXPIRED and never runs the handler again.  Sent as the named
+    argument ``remember =>`` only when set, so that a server without it
+    answers every call that does not use it.
     """
 
     def __init__(self, connection: Any, *, schema: str = "public",
@@ -271,7 +278,8 @@ class Guard:
                  wait: bool = True, timeout: Seconds = 5.0,
                  keep_claim_on_error: bool = False, heartbeat: bool = False,
                  fault: Optional[Callable[[str], Any]] = None,
-                 clock_offset: Any = None, wait_for: Seconds = None):
+                 clock_offset: Any = None, wait_for: Seconds = None,
+                 remember: Seconds = None):
         check_wait(wait, wait_for)
         self.wait_for = wait_seconds(wait_for)
         self._wait_for_support = _WaitForSupport()
@@ -281,6 +289,7 @@ class Guard:
         self.sql = statements(schema)
         self.lease = lease
         self.retention = retention
+        self.remember = remember
         self.scope = scope
         self.wait = wait
         self.keep_claim_on_error = keep_claim_on_error
@@ -344,7 +353,8 @@ class Guard:
 
     def begin(self, key: str, fingerprint: str, *, lease: Seconds = None,
               retention: Seconds = None, scope: Optional[str] = None,
-              wait: Optional[bool] = None, wait_for: Seconds = None) -> BeginRow:
+              wait: Optional[bool] = None, wait_for: Seconds = None,
+              remember: Seconds = None) -> BeginRow:
         """idem_begin in its own committed transaction; with a wait_for
         (this call's, else the guard's; 0: none), its 7-argument form."""
         wait = self.wait if wait is None else wait
@@ -355,18 +365,25 @@ class Guard:
         # wait=False for one call drops the guard's wait_for, not one given with it
         w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
         offset_s = offset_seconds(self.clock_offset)
+        # remember (a server with tombstones): sent only when set
+        r = interval(self.remember if remember is None else remember)
+
+        def query(with_wait: bool, phase: bool) -> str:
+            return self.sql.with_remember(self.sql.begin_query(with_wait, phase), r)
 
         def call(with_wait: bool) -> BeginRow:
             p = params + [interval(w)] if with_wait else params
+            if r is not None:
+                p = p + [r]
             extra = (w or 0.0) if with_wait else 0.0
             if self._phase_support.usable():
                 try:
-                    return BeginRow.of(self._run("begin", self.sql.begin_query(with_wait, True),
+                    return BeginRow.of(self._run("begin", query(with_wait, True),
                                                  p, offset_s=offset_s, extra=extra), offset_s)
                 except Exception as exc:
                     if not self._phase_support.refused(exc, log):
                         raise
-            return BeginRow.of(self._run("begin", self.sql.begin_query(with_wait, False),
+            return BeginRow.of(self._run("begin", query(with_wait, False),
                                          p, offset_s=offset_s, extra=extra), offset_s)
 
         if w and self._wait_for_support.usable():
@@ -493,11 +510,14 @@ class Guard:
     def do(self, key: str, fingerprint: str, handler: Callable[[Claim], Any], *,
            scope: Optional[str] = None, lease: Seconds = None,
            retention: Seconds = None, wait: Optional[bool] = None,
-           wait_for: Seconds = None,
+           wait_for: Seconds = None, remember: Seconds = None,
            not_stored: Response = NOT_STORED) -> Result:
         """Claim ``key``; replay, refuse, or run ``handler(claim)`` and store
         the Response it returns.  Never raises for the store: see Result.
-        ``wait_for`` overrides the guard's for this call (0: no wait).
+        ``wait_for`` overrides the guard's for this call (0: no wait),
+        ``remember`` the guard's remember.  EXPIRED (a server with
+        tombstones): the handler does not run; Result.status is the
+        first response's status.
         If idem_complete fails for a reason a retry cannot fix (see
         errors.transient), ``not_stored`` (a 500 "Response not stored") is
         stored in the response's place and a WARNING logged."""
@@ -507,7 +527,8 @@ class Guard:
         result = Result(Outcome.UNAVAILABLE)
         try:
             row = self.begin(key, fingerprint, lease=lease, retention=retention,
-                             scope=scope, wait=wait, wait_for=wait_for)
+                             scope=scope, wait=wait, wait_for=wait_for,
+                             remember=remember)
             outcome = row.outcome()
         except Exception as exc:  # noqa: BLE001 - no claim, no handler
             result.error = translate(exc)
@@ -520,6 +541,8 @@ class Guard:
                 result.lease_until, result.lease_left = row.lease_until, row.lease_left
             elif outcome is Outcome.REPLAYED:
                 result.expires_at = row.expires_at
+            elif outcome is Outcome.EXPIRED:
+                result.status = row.status
             return result
 
         token = cast(int, row.token)  # an executed claim has its token

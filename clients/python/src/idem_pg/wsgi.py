@@ -248,7 +248,8 @@ class IdempotencyWSGIMiddleware:
             return Response(captured["status"], pack(s.kept(captured["headers"]), captured["body"]))
 
         result = self.guard.do(key, fingerprint, handler, scope=tenant,
-                               wait_for=s.wait_of(environ), not_stored=s.not_stored)
+                               wait_for=s.wait_of(environ), remember=s.remember,
+                               not_stored=s.not_stored)
         if result.outcome is Outcome.REPLAYED:
             return self._replay(environ, start_response, result.response.status,
                                 result.response.body, result.expires_at)
@@ -256,6 +257,8 @@ class IdempotencyWSGIMiddleware:
             return self._reply(start_response, *s.in_flight(result.lease_left))
         if result.outcome is Outcome.CONFLICT:
             return self._reply(start_response, *s.conflict())
+        if result.outcome is Outcome.EXPIRED:
+            return self._reply(start_response, *s.expired())
         if result.outcome is Outcome.UNAVAILABLE:
             bad = s.refused(result.error) if result.failed_step == "begin" else None
             if bad is not None:             # the server's limit: no claim, no handler
@@ -283,7 +286,8 @@ class IdempotencyWSGIMiddleware:
                 with atomic(conn, key, fingerprint, schema=g.sql.schema, lease=g.lease,
                             retention=g.retention, scope=g.scope if tenant is None else tenant,
                             wait=True, lock_timeout=g.timeout,
-                            wait_for=s.wait_of(environ) or None, timeout=twice(g.timeout)) as tx:
+                            wait_for=s.wait_of(environ) or None, timeout=twice(g.timeout),
+                            remember=g.remember if s.remember is None else s.remember) as tx:
                     if not tx.claimed:
                         row = tx.row
                     else:
@@ -320,6 +324,8 @@ class IdempotencyWSGIMiddleware:
                                 row.expires_at)
         if row.outcome() is Outcome.IN_FLIGHT:
             return self._reply(start_response, *s.in_flight(row.lease_left))
+        if row.outcome() is Outcome.EXPIRED:
+            return self._reply(start_response, *s.expired())
         return self._reply(start_response, *s.conflict())
 
     def _complete(self, conn, tx, key, captured):
