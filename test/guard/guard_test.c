@@ -1108,6 +1108,71 @@ test_schema(PGconn *conn)
 	free(user);
 }
 
+/*
+ * The server's own tombstones (extension 1.6), not a look-alike: keys
+ * completed with a retention of 1 s, one with remember_ms of an hour, one
+ * without.  Once their retention is over (expires_at < now(), polled),
+ * the remembered key's retry is EXPIRED with the stored status and no body
+ * and the handler does not run; the other one's retry runs it again.
+ */
+static void
+test_server_tombstone(PGconn *conn)
+{
+	static const char *const keys[] = {"tomb-server", "tomb-server-plain"};
+	const char *values[3] = {SCOPE, keys[0], keys[1]};
+	IdemGuardOptions opts;
+	IdemResult	res;
+	Ctx			ctx[2];
+	char	   *over = NULL;
+	char	   *state;
+
+	for (int i = 0; i < 2; i++)
+	{
+		opts_init(&opts);
+		opts.lease_ms = 1000;
+		opts.retention_ms = 1000;
+		opts.remember_ms = i == 0 ? 3600000 : 0;
+		ctx_init(&ctx[i]);
+		run(conn, &opts, keys[i], "fp", &ctx[i], &res);
+		idem_result_clear(&res);
+	}
+	for (int n = 0; n < 600; n++)
+	{
+		free(over);
+		over = query_value(admin, "SELECT coalesce(bool_and(expires_at < now()), false)"
+						   " FROM idem.keys WHERE scope = $1 AND key IN ($2, $3)",
+						   3, values);
+		if (strcmp(over, "t") == 0)
+			break;
+		sleep_ms(50);
+	}
+	for (int i = 0; i < 2; i++)
+	{
+		opts_init(&opts);
+		opts.lease_ms = 1000;
+		opts.retention_ms = 1000;
+		opts.remember_ms = i == 0 ? 3600000 : 0;
+		run(conn, &opts, keys[i], "fp", &ctx[i], &res);
+		if (i == 0)
+		{
+			state = query_value(admin, "SELECT state || '/' || coalesce(status::text, '')"
+								" FROM idem_lookup($2, $1)", 2, values);
+			printf("server_tombstone: retention_over=%s outcome=%s failed=%s status=%d body=%s"
+				   " calls=%d lookup=%s\n",
+				   over, idem_outcome_name(res.outcome), idem_step_name(res.failed),
+				   res.resp.status, res.resp.body == NULL ? "none" : "some",
+				   ctx[i].calls, state);
+			free(state);
+		}
+		else
+			printf("server_tombstone_plain: outcome=%s failed=%s calls=%d\n",
+				   idem_outcome_name(res.outcome), idem_step_name(res.failed),
+				   ctx[i].calls);
+		idem_result_clear(&res);
+	}
+	free(over);
+}
+
 /* Milliseconds since start on the monotonic clock. */
 static long
 elapsed_ms(const struct timespec *start)
@@ -1929,6 +1994,7 @@ main(int argc, char **argv)
 	test_heartbeat_stop_lock(conn);
 	test_timeout_after_commit();
 	test_wait_for(conn);
+	test_server_tombstone(conn);
 
 	PQfinish(conn);
 	PQfinish(admin);

@@ -170,6 +170,12 @@ my @expected = (
 	# A wait that runs out is in flight.
 	[ wait_for => 'outcome=REPLAYED failed=none calls=0 status=200 body=first seen_waiting=yes' ],
 	[ wait_for_runs_out => 'outcome=IN_FLIGHT failed=none calls=0' ],
+	# The server's own tombstones: a key completed with a retention of 1 s
+	# and remember_ms of an hour, retried once its retention is over
+	# (polled), is EXPIRED with the stored status, no body, the handler not
+	# run again; without remember_ms the retry runs the handler again.
+	[ server_tombstone => 'retention_over=t outcome=EXPIRED failed=none status=201 body=none calls=1 lookup=EXPIRED/201' ],
+	[ server_tombstone_plain => 'outcome=EXECUTED failed=none calls=2' ],
 	[ done => '' ]);
 
 # The same cases in the cluster's database, then in test/odd_database.sql's
