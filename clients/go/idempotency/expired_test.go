@@ -156,3 +156,68 @@ func TestExpired(t *testing.T) {
 		}
 	})
 }
+
+// TestServerTombstone runs against the server's own tombstones (extension
+// 1.6), not a look-alike: a key completed with a retention of 1 s and
+// Remember 1 hour, retried once its retention is over (expires_at < now(),
+// polled), is Expired with the stored status and the handler does not run
+// again; the same without Remember runs the handler again.
+func TestServerTombstone(t *testing.T) {
+	bg := context.Background()
+	scope := newScope(t)
+	kept := NewPostgresStore(testPool)
+	kept.Scope = scope
+	kept.Remember = time.Hour
+	plain := NewPostgresStore(testPool)
+	plain.Scope = scope
+	gk := &Guard{Store: kept, Lease: time.Second, Retention: time.Second}
+	gp := &Guard{Store: plain, Lease: time.Second, Retention: time.Second}
+	var keptCalls, plainCalls atomic.Int32
+	if _, out, err := gk.Do(bg, "tomb-kept", "fp", okHandler(&keptCalls)); out != Executed || err != nil {
+		t.Fatalf("first: out=%s err=%v", out, err)
+	}
+	if _, out, err := gp.Do(bg, "tomb-plain", "fp", okHandler(&plainCalls)); out != Executed || err != nil {
+		t.Fatalf("first without remember: out=%s err=%v", out, err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		var over bool
+		if err := testPool.QueryRow(bg, `SELECT coalesce(bool_and(expires_at < now()), false)
+			FROM public.idem_keys WHERE scope = $1`, scope).Scan(&over); err != nil {
+			t.Fatal(err)
+		}
+		if over {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the retention is not over after 30 s")
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	for i := 0; i < 2; i++ {
+		resp, out, err := gk.Do(bg, "tomb-kept", "fp", okHandler(&keptCalls))
+		if out != Expired || !errors.Is(err, ErrExpired) || resp.Status != 200 || resp.Body != nil {
+			t.Fatalf("retry %d: out=%s err=%v resp=%+v", i, out, err, resp)
+		}
+	}
+	ran := 0
+	resp, out, err := gk.DoTx(bg, "tomb-kept", "fp", func(ctx context.Context, tx pgx.Tx) (Response, error) {
+		ran++
+		return Response{Status: 201}, nil
+	})
+	if out != Expired || !errors.Is(err, ErrExpired) || resp.Status != 200 || ran != 0 {
+		t.Fatalf("DoTx: out=%s err=%v resp=%+v ran=%d", out, err, resp, ran)
+	}
+	if keptCalls.Load() != 1 {
+		t.Fatalf("the handler ran %d times, want 1", keptCalls.Load())
+	}
+	if _, out, _ := gp.Do(bg, "tomb-plain", "fp", okHandler(&plainCalls)); out != Executed || plainCalls.Load() != 2 {
+		t.Fatalf("without remember: out=%s calls=%d, want Executed and 2", out, plainCalls.Load())
+	}
+	var state string
+	var status int
+	if err := testPool.QueryRow(bg, "SELECT state, status FROM public.idem_lookup('tomb-kept', $1)", scope).
+		Scan(&state, &status); err != nil || state != "EXPIRED" || status != 200 {
+		t.Fatalf("lookup: %s %d %v", state, status, err)
+	}
+}
