@@ -167,3 +167,36 @@ test('express: without its own remember, the guard\'s is sent', async () => {
   assert.equal(r.status, 410);
   assert.deepEqual(await remembered(key), [12000]);
 });
+
+// Against the server's own tombstones (extension 1.6), not a look-alike.
+test('server tombstones: retention 1 s and remember 1 hour, the retry after the retention is expired and never runs', async () => {
+  const { waitFor, lookup } = require('./helpers');
+  const ran = { kept: 0, plain: 0 };
+  const handler = (name) => async () => { ran[name]++; return { status: 201, body: '{"order":1}' }; };
+  const kept = uniqueKey('tomb');
+  const plain = uniqueKey('tomb-plain');
+  const g = new Guard(pool, { lease: 1000, retention: 1000, remember: 3600000 });
+  const noRemember = new Guard(pool, { lease: 1000, retention: 1000 });
+  assert.equal((await g.do(kept, 'fp', handler('kept'))).outcome, Outcome.EXECUTED);
+  assert.equal((await noRemember.do(plain, 'fp', handler('plain'))).outcome, Outcome.EXECUTED);
+  assert.deepEqual(ran, { kept: 1, plain: 1 });
+  const over = async () => (await pool.query(
+    'SELECT coalesce(bool_and(expires_at < now()), false) AS over FROM public.idem_keys WHERE key = ANY($1)',
+    [[kept, plain]])).rows[0].over;
+  assert.equal(await waitFor(over, 30000, 50), true, 'the retention is over');
+  for (let i = 0; i < 2; i++) {
+    const r = await g.do(kept, 'fp', handler('kept'));
+    assert.equal(r.outcome, Outcome.EXPIRED);
+    assert.equal(r.status, 201);
+    assert.equal(r.response, null);
+    assert.equal(r.token, null);
+    assert.equal(r.error, null);
+  }
+  assert.equal(ran.kept, 1, 'the handler never ran again');
+  const again = await noRemember.do(plain, 'fp', handler('plain'));
+  assert.equal(again.outcome, Outcome.EXECUTED, 'without remember the retry runs again');
+  assert.equal(ran.plain, 2);
+  const row = await lookup(pool, kept);
+  assert.equal(row.state, 'EXPIRED');
+  assert.equal(row.status, 201);
+});
