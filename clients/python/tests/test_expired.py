@@ -24,7 +24,7 @@ from idem_pg._common import statements
 from idem_pg.asgi import IdempotencyMiddleware
 from idem_pg.wsgi import IdempotencyWSGIMiddleware
 
-from conftest import calls, new_key, remembered
+from conftest import calls, lookup, new_key, remembered, wait_for
 
 FP = "fp-expired"
 
@@ -187,3 +187,46 @@ def test_middleware_without_remember_uses_the_guards(dsn, db, expired_schema):
     with httpx.Client(app=wapp, base_url="http://app") as c:
         r = c.post("/orders", content=b"{}", headers={"Idempotency-Key": key})
     assert r.status_code == 410 and remembered(db, expired_schema, key) == [12.0]
+
+
+# -- against the server's own tombstones (extension 1.6) ----------------------
+
+
+def _retention_over(db, key):
+    return db.execute("SELECT coalesce(bool_and(expires_at < now()), false)"
+                      " FROM public.idem_keys WHERE key = %s", [key]).fetchone()[0]
+
+
+def test_server_tombstone_answers_expired_and_never_runs_again(dsn, db):
+    """The real idem_begin: a key completed with retention 1 s and remember
+    1 hour, retried once its retention is over (expires_at < now(),
+    polled), is EXPIRED with the stored status and the handler does not
+    run; the same without remember runs the handler again."""
+    ran = {"kept": 0, "plain": 0}
+
+    def handler(name):
+        def run(claim):
+            ran[name] += 1
+            return Response(201, body=b'{"order": 1}')
+        return run
+
+    kept, plain = new_key("tomb"), new_key("tomb-plain")
+    g = Guard(dsn, lease=1, retention=1, remember=3600)
+    first = g.do(kept, FP, handler("kept"))
+    assert first.outcome is Outcome.EXECUTED and first.response.status == 201
+    p = Guard(dsn, lease=1, retention=1).do(plain, FP, handler("plain"))
+    assert p.outcome is Outcome.EXECUTED
+    assert ran == {"kept": 1, "plain": 1}
+    wait_for(lambda: _retention_over(db, kept) and _retention_over(db, plain), timeout=30,
+             step=0.05, what="the retention to be over")
+    for _ in range(2):
+        r = g.do(kept, FP, handler("kept"))
+        assert r.outcome is Outcome.EXPIRED
+        assert r.status == 201 and r.response is None and r.token is None and r.error is None
+    a = asyncio.run(AsyncGuard(dsn, lease=1, retention=1, remember=3600).do(kept, FP, handler("kept")))
+    assert a.outcome is Outcome.EXPIRED and a.status == 201
+    assert ran["kept"] == 1                       # never again
+    again = Guard(dsn, lease=1, retention=1).do(plain, FP, handler("plain"))
+    assert again.outcome is Outcome.EXECUTED and ran["plain"] == 2
+    row = lookup(db, kept)
+    assert (row["state"], row["status"]) == ("EXPIRED", 201)
