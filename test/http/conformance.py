@@ -623,6 +623,36 @@ class Runner:
             check(r.header(LIFETIME) == str(RETENTION), "Idempotency-Key-Lifetime", r)
         check(self.executions(key, "advertise") == 1, "one execution")
 
+    def remember_expired(self):
+        """/remember: retention 1 s, remember 1 hour.  Once the response's
+        retention is over (the server's expires_at, polled), the retry is
+        410 problem+json; the handler does not run again and the key's row
+        stays (a tombstone, EXPIRED)."""
+        key = self.key("remember")
+        r1 = self.post("/remember/orders", key)
+        check(r1.status == 201 and r1.header(REPLAYED) is None, "first 201, not replayed", r1)
+        check(r1.json().get("order") is not None, "the handler's answer", r1)
+        check(self.executions(key, "remember") == 1, "one execution")
+        over = ""
+        for _ in range(300):
+            over = self.sql("SELECT coalesce(bool_and(expires_at < now()), false) FROM"
+                            " \"%s\".idem_keys WHERE key = :'k';" % self.schema, k=key)
+            if over == "t":
+                break
+            time.sleep(0.1)
+        check(over == "t", "the retention is over", over)
+        for _ in range(2):                  # a second retry: the same answer
+            r = self.post("/remember/orders", key)
+            self.problem(r, 410)
+            check(r.header(REPLAYED) is None, "not a replay", r)
+            check(r.json().get("status") == 410, "problem status 410", r.body)
+            check(str(r1.json()["order"]).encode() not in r.body, "not the stored body", r)
+        check(self.executions(key, "remember") == 1, "still one execution")
+        check(self.sql("SELECT count(*) FROM conf_orders WHERE key = :'k';", k=key) == "1",
+              "one business row")
+        check(self.rows(key) == 1, "the key's row is still there")
+        check(self.key_row(key)[0] == "EXPIRED", "the key is EXPIRED", self.key_row(key))
+
     def lifetime_off(self):
         key = self.key("nolife")
         for r in (self.post("/plain/orders", key), self.post("/plain/orders", key),
@@ -687,6 +717,8 @@ def main(argv=None):
         ("/advertise: Idempotency-Key-Lifetime on every response of the route",
          r.lifetime_on),
         ("/plain: no Idempotency-Key-Lifetime when not advertised", r.lifetime_off),
+        ("/remember (retention 1 s, remember 1 hour): after the retention the retry is 410 "
+         "problem+json, not run again, the key's row kept", r.remember_expired),
     ]
     for name, fn in checks:
         r.run(name, fn)

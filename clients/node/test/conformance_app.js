@@ -33,6 +33,7 @@ function createApp(pool, downPool, shortPool) {
     short: idempotency(shortPool, common),
     authz: idempotency(pool, { ...common, authorize: (req) => req.get('X-Conf-Revoked') === undefined }),
     advertise: idempotency(pool, { ...common, advertiseWindow: true }),
+    remember: idempotency(pool, { ...common, lease: 1000, retention: 1000, remember: 3600000 }),
   };
   // A middleware built with neither a principal hook nor shared: true: the error it gets.
   let noDecision = null;
@@ -81,6 +82,7 @@ function createApp(pool, downPool, shortPool) {
   app.post('/short/orders', mw.short, orders('short', () => pool));
   app.post('/authz/orders', mw.authz, orders('authz', () => pool));
   app.post('/advertise/orders', mw.advertise, orders('advertise', () => pool));
+  app.post('/remember/orders', mw.remember, orders('remember', () => pool));
   // GET: passed through by the middleware, answered by the app.
   app.get('/plain/orders', mw.plain, (req, res) => res.json({ orders: [] }));
   app.get('/advertise/orders', mw.advertise, (req, res) => res.json({ orders: [] }));

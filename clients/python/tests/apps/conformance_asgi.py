@@ -7,6 +7,7 @@ gunicorn with two uvicorn workers.
   /down      a store nobody listens on     /short     the server's idem.max_key_length 64
   /authz     default, authorize: X-Conf-Revoked denies a replay
   /advertise default, advertise_window=True (Idempotency-Key-Lifetime)
+  /remember  default, lease and retention 1 s, remember=3600 (410 after the retention)
 
 GET /<route>/orders answers 200 {"orders": []} (the middleware passes it
 through).
@@ -73,9 +74,10 @@ def authorize(scope) -> bool:
     return b"x-conf-revoked" not in dict(scope["headers"])
 
 
-def sub_app(name: str, dsn: str, **settings) -> FastAPI:
+def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
+            **settings) -> FastAPI:
     api = FastAPI()
-    guard = AsyncGuard(dsn, lease=30, retention=3600, timeout=5)
+    guard = AsyncGuard(dsn, lease=lease, retention=retention, timeout=5)
     api.add_middleware(IdempotencyMiddleware, guard=guard, required=True,
                        principal=principal, **settings)
     status_route = "store5xx" if name == "store5xx" else "status"
@@ -129,6 +131,7 @@ app.mount("/down", sub_app("down", DOWN_DSN))
 app.mount("/short", sub_app("short", DSN + " options='-c idem.max_key_length=64'"))
 app.mount("/authz", sub_app("authz", DSN, authorize=authorize))
 app.mount("/advertise", sub_app("advertise", DSN, advertise_window=True))
+app.mount("/remember", sub_app("remember", DSN, lease=1, retention=1, remember=3600))
 
 try:
     IdempotencyMiddleware(app, guard=AsyncGuard(DSN))

@@ -54,7 +54,8 @@ def authorize(environ) -> bool:
     return "HTTP_X_CONF_REVOKED" not in environ
 
 
-def sub_app(name: str, dsn: str, **settings) -> Flask:
+def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
+            **settings) -> Flask:
     fl = Flask(name)
     status_route = "store5xx" if name == "store5xx" else "status"
 
@@ -93,7 +94,7 @@ def sub_app(name: str, dsn: str, **settings) -> Flask:
         resp.status_code = code
         return resp
 
-    guard = Guard(dsn, lease=30, retention=3600, timeout=5)
+    guard = Guard(dsn, lease=lease, retention=retention, timeout=5)
     fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=guard, required=True,
                                             principal=principal, **settings)
     return fl
@@ -129,4 +130,5 @@ app = DispatcherMiddleware(root, {
     "/short": sub_app("short", DSN + " options='-c idem.max_key_length=64'"),
     "/authz": sub_app("authz", DSN, authorize=authorize),
     "/advertise": sub_app("advertise", DSN, advertise_window=True),
+    "/remember": sub_app("remember", DSN, lease=1, retention=1, remember=3600),
 })
