@@ -902,6 +902,22 @@ typedef enum Holder
 	HOLDER_DONE					/* the row is completed already */
 } Holder;
 
+/* A write with a token older than the key's last one: ID002, counted. */
+static void superseded(text *key, int64 token) pg_attribute_noreturn();
+
+static void
+superseded(text *key, int64 token)
+{
+	idem_stats_count(IDEM_STAT_SUPERSEDED);
+	ereport(ERROR,
+			(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
+			 errmsg("idempotency key \"%s\" is held by a newer claim",
+					idem_key_for_message(key)),
+			 errdetail("Token %lld was superseded: the key was taken over "
+					   "after the lease ran out, or released and claimed again.",
+					   (long long) token)));
+}
+
 /*
  * Refuse any write of a tombstone, which keeps no claimant and no
  * response: nothing is changed, whatever the token.  The errors are those
@@ -918,16 +934,7 @@ tombstone_refused(const HeldCall *hc, KeyRow *row)
 						idem_key_for_message(hc->key)),
 				 errdetail("The key is completed and its retention window is over; it is remembered without its response.")));
 	if (hc->token < row->token)
-	{
-		idem_stats_count(IDEM_STAT_SUPERSEDED);
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
-				 errmsg("idempotency key \"%s\" is held by a newer claim",
-						idem_key_for_message(hc->key)),
-				 errdetail("Token %lld was superseded: the key was taken over "
-						   "after the lease ran out, or released and claimed again.",
-						   (long long) hc->token)));
-	}
+		superseded(hc->key, hc->token);
 	if (hc->token != row->token)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
@@ -1001,16 +1008,7 @@ check_holder(const HeldCall *hc, KeyRow *row, bool binds_roles)
 	outside = hc->has_token && !holds_claim(row);
 	unbound = outside && !row->claimed_by.bound && binds_roles;
 	if (token < row->token && !unbound)
-	{
-		idem_stats_count(IDEM_STAT_SUPERSEDED);
-		ereport(ERROR,
-				(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
-				 errmsg("idempotency key \"%s\" is held by a newer claim",
-						idem_key_for_message(hc->key)),
-				 errdetail("Token %lld was superseded: the key was taken over "
-						   "after the lease ran out, or released and claimed again.",
-						   (long long) token)));
-	}
+		superseded(hc->key, token);
 	if (token != row->token)
 		ereport(ERROR,
 				(errcode(ERRCODE_IDEM_NO_CLAIM),

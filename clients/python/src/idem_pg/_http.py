@@ -8,6 +8,7 @@ import datetime as _dt
 import email.utils
 import hashlib
 import json
+import logging
 import math
 import re
 from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
@@ -143,6 +144,16 @@ LIFETIME = "Idempotency-Key-Lifetime"
 # idem.default_retention, in seconds, asked once.
 WINDOW_SQL = ("SELECT setting::int8 FROM pg_catalog.pg_settings "
               "WHERE name = 'idem.default_retention'")
+
+
+def window_of_row(row: Optional[Sequence[Any]], log: logging.Logger) -> Optional[float]:
+    """The window in seconds from WINDOW_SQL's row; None, logged, if the
+    server has no idem.default_retention (idem is not preloaded)."""
+    if row is None or row[0] is None:
+        log.warning("the server has no idem.default_retention: is idem in "
+                    "shared_preload_libraries?")
+        return None
+    return float(row[0])
 
 
 # Answers released rather than stored (doc/http.md's policy): besides 5xx,

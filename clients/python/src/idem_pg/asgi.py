@@ -20,7 +20,8 @@ from typing import Any, List, Optional, cast
 import psycopg
 
 from ._common import Outcome, Response
-from ._http import (FIRST_SENT, REQUEST_ID, WINDOW_SQL, HandlerFailed, Headers, NotStored,
+from ._http import (FIRST_SENT, REQUEST_ID, WINDOW_SQL, window_of_row,
+                    HandlerFailed, Headers, NotStored,
                     Release, Settings, pack, twice)
 from .aio import AsyncGuard
 from .atomic import atomic_async
@@ -123,11 +124,9 @@ class IdempotencyMiddleware:
                 except Exception as exc:  # noqa: BLE001 - the store is down: no window
                     log.warning("the window (idem.default_retention) could not be read: %s", exc)
                     return None
-                if row is None or row[0] is None:
-                    log.warning("the server has no idem.default_retention: is idem in "
-                                "shared_preload_libraries?")
+                w = window_of_row(row, log)
+                if w is None:
                     return None
-                w = float(row[0])
             self._window = w
         return self._window
 
