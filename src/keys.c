@@ -903,8 +903,6 @@ typedef enum Holder
 } Holder;
 
 /* A write with a token older than the key's last one: ID002, counted. */
-static void superseded(text *key, int64 token) pg_attribute_noreturn();
-
 static void
 superseded(text *key, int64 token)
 {
