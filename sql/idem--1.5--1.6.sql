@@ -130,17 +130,15 @@ AS $$
 $$;
 
 /*
- * idem_keys shows a tombstone as EXPIRED (by idem's clock), and when it
- * is forgotten (remember_until, the last column).
+ * idem_keys shows a tombstone as EXPIRED (by idem's clock, from expires_at
+ * until remember_until, as idem_begin answers it), and when it is
+ * forgotten (remember_until, the last column).
  */
 CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 	SELECT k.scope, k.key,
 		   CASE WHEN k.status IS NULL THEN 'PROCESSING'::pg_catalog.text
-				WHEN k.remember_until IS NOT NULL
-				 AND k.expires_at OPERATOR(pg_catalog.<=)
-					 (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
-					  COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
-							   '0')::pg_catalog.interval)
+				WHEN k.expires_at OPERATOR(pg_catalog.<=) c.now
+				 AND c.now OPERATOR(pg_catalog.<) k.remember_until
 				THEN 'EXPIRED'::pg_catalog.text
 				ELSE 'DONE'::pg_catalog.text END AS state,
 		   k.token, k.status, k.lease_until, k.expires_at,
@@ -148,7 +146,10 @@ CREATE OR REPLACE VIEW @extschema@.idem_keys AS
 		   (SELECT r.oid FROM pg_catalog.pg_roles r
 			 WHERE r.rolname OPERATOR(pg_catalog.=) k.claimed_by)::pg_catalog.regrole AS claimed_by,
 		   k.remember_until
-	  FROM idem.keys k;
+	  FROM idem.keys k,
+		   LATERAL (SELECT pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
+						   COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
+									'0')::pg_catalog.interval AS now) c;
 
 /* pg_dump keeps the tombstones too. */
 SELECT pg_catalog.pg_extension_config_dump('idem.keys',

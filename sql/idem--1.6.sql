@@ -218,11 +218,8 @@ LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
 CREATE VIEW @extschema@.idem_keys AS
 	SELECT k.scope, k.key,
 		   CASE WHEN k.status IS NULL THEN 'PROCESSING'::pg_catalog.text
-				WHEN k.remember_until IS NOT NULL
-				 AND k.expires_at OPERATOR(pg_catalog.<=)
-					 (pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
-					  COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
-							   '0')::pg_catalog.interval)
+				WHEN k.expires_at OPERATOR(pg_catalog.<=) c.now
+				 AND c.now OPERATOR(pg_catalog.<) k.remember_until
 				THEN 'EXPIRED'::pg_catalog.text
 				ELSE 'DONE'::pg_catalog.text END AS state,
 		   k.token, k.status, k.lease_until, k.expires_at,
@@ -230,7 +227,10 @@ CREATE VIEW @extschema@.idem_keys AS
 		   (SELECT r.oid FROM pg_catalog.pg_roles r
 			 WHERE r.rolname OPERATOR(pg_catalog.=) k.claimed_by)::pg_catalog.regrole AS claimed_by,
 		   k.remember_until
-	  FROM idem.keys k;
+	  FROM idem.keys k,
+		   LATERAL (SELECT pg_catalog.clock_timestamp() OPERATOR(pg_catalog.+)
+						   COALESCE(pg_catalog.current_setting('idem.clock_offset', true),
+									'0')::pg_catalog.interval AS now) c;
 
 /*
  * Operator controls: drop the stored response of a completed key (its next

@@ -48,7 +48,7 @@ idem_lookup(PG_FUNCTION_ARGS)
 
 		memset(nulls, false, sizeof(nulls));
 		values[0] = CStringGetTextDatum(!row.done ? "PROCESSING" :
-										(row.has_remember && row.expires_at <= idem_now()) ?
+										idem_keyrow_is_tombstone(&row, idem_now()) ?
 										"EXPIRED" : "DONE");
 		values[1] = Int64GetDatum(row.token);
 		values[2] = Int32GetDatum(row.status);

@@ -82,9 +82,13 @@ SELECT idem_purge() AS purged;
 SELECT ctid = :'ctid_after' AS not_rewritten_again FROM idem.keys WHERE key = 't-done';
 SELECT try(format($$SELECT idem_complete('t-done', 'fp', 201, 'x', %s)$$, :tok_done - 1));
 
--- A day later remember is over: purge deletes the tombstone, and the key
--- is new again.
+-- A day later remember is over: before purge deletes the tombstone,
+-- idem_lookup and idem_keys show it as they show any key whose window is
+-- over (DONE), as idem_begin no longer answers EXPIRED; purge deletes it,
+-- and the key is new again.
 SET idem.clock_offset = '26h';
+SELECT state FROM idem_lookup('t-done');
+SELECT state FROM idem_keys WHERE key = 't-done';
 SELECT idem_purge() AS purged;
 SELECT count(*) AS left FROM idem.keys WHERE key = 't-done';
 SELECT claimed, state FROM idem_begin('t-done', 'fp');
