@@ -37,6 +37,24 @@ SELECT claimed, state, token, status, body, lease_until, expires_at < now() + in
 SELECT claimed, state, status FROM idem_begin('t-done', 'fp', remember => '1 day');
 SELECT claimed, state, status FROM idem_begin('t-done', 'fp', wait => false);
 SELECT claimed, state, status, body FROM idem_begin('t-done', 'other');
+-- The same answer in a read-only REPEATABLE READ transaction, under
+-- SERIALIZABLE, and to a role that is not a superuser, granted only
+-- idem_begin.
+BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY;
+SELECT claimed, state, status, body FROM idem_begin('t-done', 'fp');
+COMMIT;
+BEGIN ISOLATION LEVEL SERIALIZABLE;
+SELECT claimed, state, status, body FROM idem_begin('t-done', 'fp');
+COMMIT;
+CREATE ROLE regress_idem_tomb;
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+  TO regress_idem_tomb;
+SET ROLE regress_idem_tomb;
+SELECT claimed, state, status, body FROM idem_begin('t-done', 'fp');
+RESET ROLE;
+REVOKE ALL ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+  FROM regress_idem_tomb;
+DROP ROLE regress_idem_tomb;
 SELECT state, status, body_size FROM idem_lookup('t-done');
 SELECT key, state, status, body_size FROM idem_keys ORDER BY key;
 SELECT claimed, state FROM idem_begin('t-plain', 'fp');
