@@ -296,7 +296,7 @@ for f in "$work"/*.deb; do
 	case "$f" in *-dbgsym_*) ;; *) debs+=("$(basename "$f")") ;; esac
 done
 
-echo "packages: $out/ (install as root with: apt-get install $out/postgresql-$pgv-idem_*.deb, and libidem-guard-dev_*.deb, python3-idem-pg_*.deb as needed)"
+echo "packages: $out/ (install as root with: apt-get install $out/postgresql-$pgv-idem_*.deb; libidem-guard-dev_*.deb and python3-idem-pg_*.deb beside it, as needed)"
 [ "$build_only" -eq 0 ] || result
 
 # 3. The chroot, and this run's overlay on top of it.
