@@ -137,3 +137,85 @@ chroot_cleanup() {
 	mounts=()
 	chroots=()
 }
+
+# The cached chroot in $1: debootstrap's minbase of the Debian suite $2
+# with the host's apt sources, nothing else but what keeps a package test
+# quiet (no service starts, no default cluster is made; test/fresh.sh
+# undoes both in its overlay).  Reused only if its preparation finished
+# (marker written last) with the same recipe.  test/deb.sh and
+# test/fresh.sh share it, under the lock of their cache directory.
+prepare_chroot() {
+	local root=$1 suite=$2 marker=$1/.idem-deb-ready recipe
+	recipe="$suite minbase, host Debian sources, v1"
+	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$recipe" ]; then
+		echo "reusing the $suite chroot in $root"
+		return 0
+	fi
+	debootstrap_chroot "$root" "$suite" || return 1
+	# The same Debian suites as the host (updates, security), when the host
+	# is on $suite too: the packages built here depend on its server's
+	# minor version.
+	if [ -r /etc/apt/sources.list.d/debian.sources ] &&
+		grep -q "^Suites:.*\b$suite\b" /etc/apt/sources.list.d/debian.sources; then
+		cp /etc/apt/sources.list.d/debian.sources "$root/etc/apt/sources.list.d/debian.sources"
+		rm -f "$root/etc/apt/sources.list"
+	elif [ -r /etc/apt/sources.list ] && grep -q "^deb .* $suite main" /etc/apt/sources.list; then
+		grep "^deb .* $suite\(-[a-z]*\)\? main" /etc/apt/sources.list |
+			grep -v '\[' >"$root/etc/apt/sources.list"
+	fi
+	# The mirror may be a dated snapshot whose Release files are past their
+	# Valid-Until; apt in the chroot accepts them.
+	echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idem-deb"
+	# No service starts inside the chroot, and no default cluster is made.
+	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
+	chmod 755 "$root/usr/sbin/policy-rc.d"
+	mkdir -p "$root/etc/postgresql-common"
+	echo "create_main_cluster = false" >"$root/etc/postgresql-common/createcluster.conf"
+	echo "$recipe" >"$marker"
+}
+
+# overlay_chroot CACHE SUITE RUN_DIR: a throwaway chroot in RUN_DIR/root,
+# an overlay on the cached chroot CACHE/SUITE (a copy if overlayfs is not
+# available), with what servers and apt need mounted, the downloaded
+# packages kept in CACHE/archives for the next run, and the host's
+# resolver.
+overlay_chroot() {
+	local cache=$1 suite=$2 run_dir=$3 root=$3/root
+	mkdir -p "$run_dir/upper" "$run_dir/work" "$root"
+	if mount_in "$root" -t overlay overlay \
+		-o "lowerdir=$cache/$suite,upperdir=$run_dir/upper,workdir=$run_dir/work"; then
+		echo "overlay on $cache/$suite"
+	else
+		echo "no overlayfs: copying $cache/$suite"
+		cp -a "$cache/$suite/." "$root/"
+	fi
+	mount_chroot "$root" || return 1
+	mkdir -p "$cache/archives/partial" &&
+		mount_in "$root/var/cache/apt/archives" --bind "$cache/archives" || return 1
+	cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+}
+
+# copy_tree TOP MODE DEST: a clean copy of the source tree TOP in DEST.
+# MODE head: the committed tree (git archive HEAD) when TOP is the top of a
+# git checkout; otherwise, or with MODE worktree, the files as they are
+# (a release tarball, a PGXN zip), without build outputs.
+copy_tree() {
+	local top=$1 mode=$2 dest=$3
+	mkdir -p "$dest"
+	if [ "$mode" = head ] && [ -e "$top/.git" ] &&
+		[ "$(git -C "$top" rev-parse --show-toplevel 2>/dev/null)" = "$top" ]; then
+		git -C "$top" cat-file -e HEAD:debian/control 2>/dev/null || {
+			echo "debian/ is not committed; commit it or use --worktree"
+			return 1
+		}
+		git -C "$top" archive HEAD | tar -C "$dest" -xf -
+	else
+		tar -C "$top" --exclude=./.git --exclude='*.o' --exclude='*.bc' --exclude='*.so' \
+			--exclude='*.a' --exclude=./tmp_check --exclude=./tmp_check_iso \
+			--exclude=./results --exclude=./log \
+			--exclude=./test/output --exclude=./test/output-matrix \
+			--exclude=./test/bench/out --exclude=./test/guard/guard_test \
+			--exclude=./test/demo/idem_demo --exclude=./clients/node/node_modules \
+			-cf - . | tar -C "$dest" -xf -
+	fi
+}

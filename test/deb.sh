@@ -67,7 +67,6 @@ if [ "$(id -u)" -ne 0 ]; then
 	exit 2
 fi
 
-
 # Shared chroot helpers: mirror, run_child, mount_chroot, unmount_below,
 # mounted_below, and chroot_cleanup with the state it undoes.
 . "$(dirname "$0")/chroot.sh"
@@ -75,9 +74,6 @@ fi
 # Temporary directories, removed by cleanup.
 build_dir=""
 run_dir=""
-
-
-
 
 cleanup() {
 	chroot_cleanup
@@ -97,9 +93,6 @@ trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
 
-
-
-
 # A command in the chroot $root, as root, with a clean environment.
 in_chroot() {
 	run_child chroot "$root" /usr/bin/env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin \
@@ -113,39 +106,6 @@ as_idemtest() {
 		PATH=/usr/lib/postgresql/$pgv/bin:/usr/bin:/bin sh -ec "$1"
 }
 
-# The cached chroot: debootstrap's minbase of $suite plus apt configuration,
-# nothing else.  Reused only if its preparation finished (marker written
-# last) with the same recipe.
-recipe="$suite minbase, host Debian sources, v1"
-prepare_chroot() {
-	local root=$1 marker=$1/.idem-deb-ready
-	if [ -f "$marker" ] && [ "$(cat "$marker")" = "$recipe" ]; then
-		echo "reusing the $suite chroot in $root"
-		return 0
-	fi
-	debootstrap_chroot "$root" "$suite" || return 1
-	# The same Debian suites as the host (updates, security), when the host
-	# is on $suite too: the packages built here depend on its server's
-	# minor version.
-	if [ -r /etc/apt/sources.list.d/debian.sources ] &&
-		grep -q "^Suites:.*\b$suite\b" /etc/apt/sources.list.d/debian.sources; then
-		cp /etc/apt/sources.list.d/debian.sources "$root/etc/apt/sources.list.d/debian.sources"
-		rm -f "$root/etc/apt/sources.list"
-	elif [ -r /etc/apt/sources.list ] && grep -q "^deb .* $suite main" /etc/apt/sources.list; then
-		grep "^deb .* $suite\(-[a-z]*\)\? main" /etc/apt/sources.list |
-			grep -v '\[' >"$root/etc/apt/sources.list"
-	fi
-	# The mirror may be a dated snapshot whose Release files are past their
-	# Valid-Until; apt in the chroot accepts them.
-	echo 'Acquire::Check-Valid-Until "false";' >"$root/etc/apt/apt.conf.d/99idem-deb"
-	# No service starts inside the chroot, and no default cluster is made.
-	printf '#!/bin/sh\nexit 101\n' >"$root/usr/sbin/policy-rc.d"
-	chmod 755 "$root/usr/sbin/policy-rc.d"
-	mkdir -p "$root/etc/postgresql-common"
-	echo "create_main_cluster = false" >"$root/etc/postgresql-common/createcluster.conf"
-	echo "$recipe" >"$marker"
-}
-
 mkdir -p "$cache"
 exec 9>"$cache/lock"
 if ! flock -n 9; then
@@ -155,7 +115,7 @@ fi
 
 if [ "$prepare_only" -eq 1 ]; then
 	start=$SECONDS
-	prepare_chroot "$cache/$suite" || exit 1
+	prepare_chroot "$cache/$suite" "$suite" || exit 1
 	echo "chroot preparation took $((SECONDS - start))s"
 	exit 0
 fi
@@ -234,34 +194,11 @@ meta_versions() {
 check "META.json against the PGXN meta spec" perl "$top/test/pgxn_meta.pl" "$top/META.json"
 check "versions agree" meta_versions
 
-# A clean copy of the tree in $build_dir/idem-VERSION.
-copy_tree() {
-	local dest=$1
-	mkdir -p "$dest"
-	# A tree that is not the top of a git checkout (a release tarball, a
-	# PGXN zip) is built as it is.
-	if [ "$source_mode" = head ] && [ -e "$top/.git" ] &&
-		[ "$(git -C "$top" rev-parse --show-toplevel 2>/dev/null)" = "$top" ]; then
-		git -C "$top" cat-file -e HEAD:debian/control 2>/dev/null || {
-			echo "debian/ is not committed; commit it or use --worktree"
-			return 1
-		}
-		git -C "$top" archive HEAD | tar -C "$dest" -xf -
-	else
-		tar -C "$top" --exclude=./.git --exclude='*.o' --exclude='*.bc' --exclude='*.so' \
-			--exclude='*.a' --exclude=./tmp_check --exclude=./tmp_check_iso \
-			--exclude=./results --exclude=./log \
-			--exclude=./test/output --exclude=./test/output-matrix \
-			--exclude=./test/bench/out --exclude=./test/guard/guard_test \
-			--exclude=./test/demo/idem_demo -cf - . | tar -C "$dest" -xf -
-	fi
-}
-
 build() {
 	local version src
 	version=$(dpkg-parsechangelog -l "$top/debian/changelog" -S Version) || return 1
 	src=$build_dir/idem-$version
-	copy_tree "$src" || return 1
+	copy_tree "$top" "$source_mode" "$src" || return 1
 	# Debian's python3 and tools, not whatever else is first on PATH.
 	(cd "$src" && env PATH=/usr/sbin:/usr/bin:/sbin:/bin dpkg-buildpackage -us -uc -b) \
 		>"$work/build.log" 2>&1 || {
@@ -301,29 +238,17 @@ echo "packages: $out/ (install as root with: apt-get install $out/postgresql-$pg
 
 # 3. The chroot, and this run's overlay on top of it.
 start=$SECONDS
-check "the cached $suite chroot" prepare_chroot "$cache/$suite" || result
+check "the cached $suite chroot" prepare_chroot "$cache/$suite" "$suite" || result
 t_chroot=$((SECONDS - start))
 
 start=$SECONDS
 run_dir=$(mktemp -d "$cache/run.XXXXXX")
 root=$run_dir/root
 overlay() {
-	mkdir -p "$run_dir/upper" "$run_dir/work" "$root"
-	if mount_in "$root" -t overlay overlay \
-		-o "lowerdir=$cache/$suite,upperdir=$run_dir/upper,workdir=$run_dir/work"; then
-		echo "overlay on $cache/$suite"
-	else
-		echo "no overlayfs: copying $cache/$suite"
-		cp -a "$cache/$suite/." "$root/"
-	fi
-	mount_chroot "$root" || return 1
-	# Downloaded packages are kept for the next run.
-	mkdir -p "$cache/archives/partial" &&
-		mount_in "$root/var/cache/apt/archives" --bind "$cache/archives" || return 1
-	cp -L /etc/resolv.conf "$root/etc/resolv.conf"
+	overlay_chroot "$cache" "$suite" "$run_dir" || return 1
 	mkdir -p "$root/build/debs"
 	cp "${debs[@]/#/$work/}" "$root/build/debs/"
-	copy_tree "$root/build/idem"
+	copy_tree "$top" "$source_mode" "$root/build/idem"
 }
 check "a throwaway overlay on the chroot" overlay || result
 
@@ -463,11 +388,9 @@ from idem_pg import Guard, Response
 
 calls = []
 
-
 def charge(claim):
     calls.append(claim.key)
     return Response(201, b"made")
-
 
 guard = Guard(sys.argv[1])
 r1 = guard.do("deb-python", "card=1", charge)
@@ -500,11 +423,9 @@ from idem_pg import Guard, Response
 
 calls = []
 
-
 def order(claim):
     calls.append(claim.key)
     return Response(201, b"ordered")
-
 
 guard = Guard(sys.argv[1], schema="idem_api")
 r1 = guard.do("deb-secure", "sku=A", order)

@@ -19,7 +19,11 @@
 #   (test/docs/serve.cjs);
 # - go: the block inside test/docs/main.go.in, built in GOPATH mode with
 #   Debian's pgx v4, as clients/go/test.sh does;
-# - sh: sh -e from the repository's root.
+# - sh: sh -e from the repository's root; with "fresh", as root on a
+#   fresh Debian 12 machine instead (test/fresh.sh; skipped unless root).
+#
+# A "```text output" block right after a run block is what it prints: its
+# lines must come in the block's output, in order.
 #
 # Each file's blocks share one database, app, made afresh for the file:
 # the roles app and ops exist, test/docs/setup.sql has run, and, unless
@@ -202,7 +206,10 @@ run_block() {
 					timeout 300 go run .)
 		;;
 	sh)
-		timeout 120 sh -e "$src"
+		case " $opts " in
+		*" fresh "*) bash "$top/test/fresh.sh" "$src" ;;
+		*) timeout 120 sh -e "$src" ;;
+		esac
 		;;
 	*)
 		echo "no way to run a $lang block"
@@ -215,10 +222,23 @@ run_block() {
 # failing it also for an ERROR or FATAL in the server log.
 run_one() {
 	log=$work/$1.log
+	case " $5 " in *" fresh "*)
+		if [ "$(id -u)" -ne 0 ]; then
+			n=$((n + 1))
+			passed=$((passed + 1))
+			echo "ok $n - $6 # skip: a fresh Debian 12 chroot needs root (make test as root runs it)"
+			return
+		fi
+		;;
+	esac
 	before=$(wc -c <"$dir/server.log")
 	run_block "$1" "$2" "$3" "$4" "$5" "$log"
 	rc=$?
 	[ "$rc" -eq 124 ] && echo "killed after its deadline" >>"$log"
+	if [ "$rc" -eq 0 ] && [ -f "$work/blocks/$1.expected" ]; then
+		perl "$docs/blocks.pl" expect "$work/blocks/$1.expected" "$log" >"$work/$1.expect" ||
+			{ cat "$work/$1.expect" >>"$log"; rc=1; }
+	fi
 	tail -c +"$((before + 1))" "$dir/server.log" | grep -E 'ERROR:|FATAL:' >"$work/$1.server" &&
 		{ echo "server log:"; cat "$work/$1.server"; } >>"$log" && rc=1
 	if [ "$rc" -eq 0 ]; then report OK "$6" "$log"; else report FAIL "$6" "$log"; fi

@@ -4,19 +4,25 @@
 #   perl test/docs/blocks.pl list FILE...    one line per block of a checked language
 #   perl test/docs/blocks.pl check FILE...   fails if such a block is neither run nor norun
 #   perl test/docs/blocks.pl extract DIR FILE...
+#   perl test/docs/blocks.pl expect EXPECTED LOG
 #
 # A block's info string is its language, then "run" (test/docs.sh runs
 # it) or "norun" (it does not; "norun: why" says why).  After "run":
 # "as=ROLE" (SQL: connect as ROLE instead of the superuser), "continues"
 # (the program is the file's previous run block of the same language
 # followed by this one), "serve=PATH" (JavaScript: the server it starts is
-# sent a request twice, see test/docs/serve.cjs).  GitHub renders the
+# sent a request twice, see test/docs/serve.cjs), "fresh" (shell: run as
+# root on a fresh Debian 12 machine, test/fresh.sh).  GitHub renders the
 # language and ignores the rest.
+#
+# A block "```text output" right after a run block is what that block
+# prints: its lines must come in its output in that order (other lines
+# may come between them).
 #
 # extract writes each run block to DIR/NNN.LANG, with every line of its
 # chain of "continues" blocks before it, and DIR/index with one line per
 # run block: NNN, the tab-separated file, line of the opening fence,
-# language and options.
+# language and options; DIR/NNN.expected is its output block, if any.
 #
 # go TEMPLATE BLOCK FILE LINE prints the Go program of a block
 # (test/docs/main.go.in).
@@ -53,7 +59,7 @@ sub blocks
 		if ($line =~ /^ {0,3}(`{3,}|~{3,})\s*$/ && substr($1, 0, 1) eq substr($fence, 0, 1)
 			&& length($1) >= length($fence))
 		{
-			push @out, $cur if $cur->{lang};
+			push @out, $cur if $cur->{lang} || $cur->{info} =~ /^text\s+output\b/;
 			$cur = undef;
 			next;
 		}
@@ -72,7 +78,7 @@ if ($cmd eq 'list' || $cmd eq 'check')
 	my $bad = 0;
 	for my $file (@ARGV)
 	{
-		for my $b (blocks($file))
+		for my $b (grep { $_->{lang} } blocks($file))
 		{
 			my $mark = $b->{mark};
 			if ($cmd eq 'list')
@@ -97,9 +103,11 @@ elsif ($cmd eq 'extract')
 	for my $file (@ARGV)
 	{
 		my %prev;    # language => the text of the file's previous run block, with its chain
-		for my $b (blocks($file))
+		my @blocks = blocks($file);
+		for my $i (0 .. $#blocks)
 		{
-			next unless $b->{mark} eq 'run';
+			my $b = $blocks[$i];
+			next unless $b->{lang} && $b->{mark} eq 'run';
 			my $text = $b->{text};
 			if (has($b, 'continues'))
 			{
@@ -112,10 +120,40 @@ elsif ($cmd eq 'extract')
 			open(my $out, '>', "$dir/$name.$b->{lang}") or die "$dir/$name: $!\n";
 			print $out $text;
 			close $out;
+			# The output block that follows it: what it must print.
+			my $next = $blocks[$i + 1];
+			if ($next && !$next->{lang})
+			{
+				open(my $exp, '>', "$dir/$name.expected") or die "$dir/$name.expected: $!\n";
+				print $exp $next->{text};
+				close $exp;
+			}
 			print $idx join("\t", $name, $file, $b->{line}, $b->{lang}, join(' ', @{$b->{opts}})), "\n";
 		}
 	}
 	close $idx;
+}
+elsif ($cmd eq 'expect')
+{
+	# expect EXPECTED LOG: every non-blank line of EXPECTED comes in LOG, in
+	# that order (trailing blanks aside); names the first one missing.
+	my ($expected, $log) = @ARGV;
+	open(my $e, '<', $expected) or die "$expected: $!\n";
+	open(my $l, '<', $log) or die "$log: $!\n";
+	my @got = map { s/\s+$//r } <$l>;
+	my $at = 0;
+	for my $want (map { s/\s+$//r } <$e>)
+	{
+		next if $want eq '';
+		$at++ while $at < @got && $got[$at] ne $want;
+		if ($at >= @got)
+		{
+			print "the output lacks, in its place: $want\n";
+			exit 1;
+		}
+		$at++;
+	}
+	exit 0;
 }
 elsif ($cmd eq 'go')
 {
@@ -140,6 +178,6 @@ elsif ($cmd eq 'go')
 }
 else
 {
-	print STDERR "usage: $0 list|check FILE... | extract DIR FILE... | go TEMPLATE BLOCK FILE LINE\n";
+	print STDERR "usage: $0 list|check FILE... | extract DIR FILE... | expect EXPECTED LOG | go TEMPLATE BLOCK FILE LINE\n";
 	exit 2;
 }
