@@ -370,7 +370,7 @@ $$;
 /*
  * Privileges.  PUBLIC may call no function and read no view.  The
  * extension owner grants EXECUTE on idem_begin, idem_complete,
- * idem_release and idem_extend to application roles (README, "Security");
+ * idem_release and idem_extend to application roles (doc/security.md);
  * purge, lookup, statistics, waits and the views are for the owner and
  * the roles it grants them to.
  */

@@ -1,7 +1,7 @@
 #!/bin/sh
 # Run the documentation's code blocks against a throwaway cluster.
 #
-#   sh test/docs.sh [FILE...]     # default: README.md doc/*.md clients/*/README.md
+#   sh test/docs.sh [FILE...]     # default: README.md doc/*.md clients/*/README.md guard/README.md
 #
 # Every fenced block of SQL, Python, JavaScript, Go, shell or C must say
 # after its language whether it runs: "```sql run" or "```sh norun: why"
@@ -90,7 +90,7 @@ finish() {
 if [ $# -gt 0 ]; then
 	files="$*"
 else
-	files="README.md $(ls doc/*.md) $(ls clients/*/README.md)"
+	files="README.md $(ls doc/*.md) $(ls clients/*/README.md) guard/README.md"
 fi
 
 # 1. Every block of a language that runs says whether it runs.

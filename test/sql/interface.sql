@@ -25,7 +25,7 @@ SELECT pg_describe_object(d.classid, d.objid, d.objsubid) AS member
  ORDER BY 1;
 
 -- PUBLIC has no privilege on the schema, the table, the sequence, the
--- views or any function (README, "Security"; more in security.sql).
+-- views or any function (doc/security.md; more in security.sql).
 CREATE ROLE regress_idem_app;
 SELECT has_schema_privilege('regress_idem_app', 'idem', 'USAGE') AS schema_usage,
        has_schema_privilege('regress_idem_app', 'idem', 'CREATE') AS schema_create;

@@ -1,6 +1,6 @@
 --
 -- Role names that need quoting, in the privileges the install and update
--- scripts revoke and grant again (README, "Security"): "Reporting" (mixed
+-- scripts revoke and grant again (doc/security.md): "Reporting" (mixed
 -- case) and """Reporting""", a role whose name holds the quote characters
 -- that a name quoted twice would point at.  Each must get what was meant
 -- for it and nothing meant for the other.  Installs the extension again in

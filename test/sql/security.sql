@@ -1,5 +1,5 @@
 --
--- search_path safety and privileges (README, "Security").  Uses try() and
+-- search_path safety and privileges (doc/security.md).  Uses try() and
 -- key_row() from setup.sql.
 --
 

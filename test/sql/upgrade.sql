@@ -140,7 +140,7 @@ SELECT state, token = :tok_done AS same_token, status, body_size
 
 -- Privileges after the update: PUBLIC may call nothing; the explicit grant
 -- is kept, so the application role may claim but not complete until it is
--- granted that too (README, "Operations").
+-- granted that too (doc/operations.md).
 SELECT has_function_privilege('public', 'idem_complete(text,text,integer,bytea,bigint,interval,text)', 'EXECUTE')
   AS public_may_complete;
 SET ROLE regress_idem_upgrade_app;
@@ -160,7 +160,7 @@ SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
 CREATE EXTENSION idem;
 SELECT extversion FROM pg_extension WHERE extname = 'idem';
 SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
--- What pg_dump dumps of the extension's tables (README, "Operations").
+-- What pg_dump dumps of the extension's tables (doc/operations.md).
 SELECT object, definition AS filter FROM ext_objects() WHERE acl IS NULL;
 SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) AS fresh
   FROM ext_objects() \gset
