@@ -120,6 +120,25 @@ if [ ! -f README.md ] || [ -z "$install" ]; then
 fi
 [ -n "$install" ] || { report FAIL "README.md has a run block with CREATE EXTENSION idem"; finish; }
 
+# The README is a landing page: under 250 lines, with a link to every
+# document and client README, where the reference and the details live.
+landing() {
+	lines=$(wc -l <README.md)
+	echo "README.md: $lines lines"
+	[ "$lines" -lt 250 ] || { echo "README.md has $lines lines; the details belong in doc/"; return 1; }
+	for f in doc/*.md guard/README.md clients/*/README.md; do
+		grep -q "]($f)" README.md || { echo "README.md does not link $f"; return 1; }
+	done
+}
+case " $files " in *" README.md "*)
+	if landing >"$work/landing.log" 2>&1; then
+		report OK "README.md is a landing page: under 250 lines, linking every doc/*.md and client README"
+	else
+		report FAIL "README.md is a landing page: under 250 lines, linking every doc/*.md and client README" "$work/landing.log"
+	fi
+	;;
+esac
+
 # 2. The languages' tools.
 command -v pg_config >/dev/null 2>&1 || { report FAIL "pg_config on PATH"; finish; }
 bindir=$(pg_config --bindir)
