@@ -246,21 +246,23 @@ call_exec(const GuardCall *gc, const char *sql_fmt, int nparams,
 
 /*
  * Name the function and schema a call looked for when the server found
- * either missing (42883, 3F000), and point at the schema option.
+ * either missing (42883, 3F000), and what fixes it: the schema option, or
+ * an update of an old version.  function is the call's signature.
  */
 static void
 name_missing(const GuardCall *gc, const char *function, GuardError *err)
 {
-	bool		no_schema = strcmp(err->sqlstate, "3F000") == 0;
+	int			namelen = (int) strcspn(function, "(");
 
-	if (!no_schema && strcmp(err->sqlstate, "42883") != 0)
+	if (strcmp(err->sqlstate, "3F000") != 0 && strcmp(err->sqlstate, "42883") != 0)
 		return;
 	snprintf(err->message, sizeof(err->message),
-			 "%s %.64s.%.68s not found; set IdemGuardOptions.schema to the"
-			 " schema of CREATE EXTENSION idem%s",
-			 no_schema ? "schema of" : "function", gc->schema, function,
-			 strcmp(function, FN_BEGIN_WAIT) == 0 ?
-			 " (wait_for needs idem 1.4)" : "");
+			 "%.*s%s not found in schema %.64s; set IdemGuardOptions.schema to the"
+			 " schema where CREATE EXTENSION idem put it, or if the version is old"
+			 " run ALTER EXTENSION idem UPDATE",
+			 namelen, function,
+			 strcmp(function, FN_BEGIN_WAIT) == 0 ? " with wait_for" : "",
+			 gc->schema);
 }
 
 /* Record a failed step in the result. */

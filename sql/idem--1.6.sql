@@ -470,6 +470,33 @@ END
 $$;
 
 /*
+ * Without idem in shared_preload_libraries no background worker purges
+ * expired keys: say so, and how to purge them on a schedule instead.  The
+ * library knows whether it was preloaded (idem_stats() refuses with 55000
+ * when it was not), which a parse of the setting's text would only guess.
+ * A WARNING, not a NOTICE: CREATE EXTENSION runs its script with
+ * client_min_messages at least WARNING, which would hide a NOTICE.
+ */
+DO $$
+DECLARE
+	purge_call pg_catalog.text;
+BEGIN
+	PERFORM pg_catalog.count(*) FROM @extschema@.idem_stats();
+EXCEPTION WHEN object_not_in_prerequisite_state THEN
+	SELECT pg_catalog.format('SELECT %I.idem_purge()', n.nspname) INTO purge_call
+	  FROM pg_catalog.pg_extension e
+	  JOIN pg_catalog.pg_namespace n ON n.oid OPERATOR(pg_catalog.=) e.extnamespace
+	 WHERE e.extname OPERATOR(pg_catalog.=) 'idem';
+	RAISE WARNING 'idem is not in shared_preload_libraries: no background worker will purge expired keys'
+		USING DETAIL = 'Expired keys stay in idem.keys until idem_purge() deletes them.',
+			  HINT = pg_catalog.format('Add idem to shared_preload_libraries and restart the server, '
+									   'or run %s every minute, from cron (psql -c) '
+									   'or with pg_cron: SELECT cron.schedule(%L, %L, %L);',
+									   purge_call, 'idem-purge', '* * * * *', purge_call);
+END
+$$;
+
+/*
  * pg_dump: the keys whose retention window is not over when the dump
  * starts (DONE and committed PROCESSING ones), and the token sequence, so
  * that tokens after a restore stay greater than every restored one.

@@ -902,7 +902,14 @@ typedef enum Holder
 	HOLDER_DONE					/* the row is completed already */
 } Holder;
 
-/* A write with a token older than the key's last one: ID002, counted. */
+/*
+ * A write with a token older than the key's last one: ID002, counted.
+ * The row keeps only its current token, and tokens come from one sequence
+ * for all keys: an older token may be one the key had before it was taken
+ * over, or another key's.  The detail says which when the token tells
+ * (none below 1 was ever issued), and both otherwise.  A token newer than
+ * the key's is never the key's: check_holder answers it with ID003.
+ */
 static void
 superseded(text *key, int64 token)
 {
@@ -911,8 +918,11 @@ superseded(text *key, int64 token)
 			(errcode(ERRCODE_IDEM_TOKEN_SUPERSEDED),
 			 errmsg("idempotency key \"%s\" is held by a newer claim",
 					idem_key_for_message(key)),
-			 errdetail("Token %lld was superseded: the key was taken over "
-					   "after the lease ran out, or released and claimed again.",
+			 token < 1 ?
+			 errdetail("Token %lld was never this key's: no token below 1 is ever issued.",
+					   (long long) token) :
+			 errdetail("Token %lld is older than the key's current claim: the key was taken over since "
+					   "(its lease ran out, or it was released and claimed again), or the token is another key's.",
 					   (long long) token)));
 }
 
@@ -938,7 +948,7 @@ tombstone_refused(const HeldCall *hc, KeyRow *row)
 				(errcode(ERRCODE_IDEM_NO_CLAIM),
 				 errmsg("idempotency key \"%s\" has no claim with token %lld",
 						idem_key_for_message(hc->key), (long long) hc->token),
-				 errdetail("Token %lld was never issued for this key.",
+				 errdetail("Token %lld is newer than the key's current claim: it was never this key's.",
 						   (long long) hc->token)));
 	ereport(ERROR,
 			(errcode(ERRCODE_IDEM_ALREADY_COMPLETED),
@@ -1015,7 +1025,7 @@ check_holder(const HeldCall *hc, KeyRow *row, bool binds_roles)
 				 unbound ?
 				 errdetail("Token %lld is not the token of the key's current claim.",
 						   (long long) token) :
-				 errdetail("Token %lld was never issued for this key.",
+				 errdetail("Token %lld is newer than the key's current claim: it was never this key's.",
 						   (long long) token)));
 	if (outside &&
 		(row->claimed_by.bound ?

@@ -26,7 +26,7 @@
 # 4. In that chroot: `apt-get install -y ./*.deb`; a server started as the
 #    unprivileged user idemtest with shared_preload_libraries = 'idem' runs
 #    CREATE EXTENSION idem, a claim, a complete and a replay; a program
-#    built against libidem-guard-dev (-lidem_guard -lpq -pthread) runs the
+#    built against libidem-guard-dev (pkg-config idem-guard) runs the
 #    guard against it; Debian's python3 imports idem_pg from
 #    python3-idem-pg (with its py.typed) and runs its Guard against it; the
 #    installed README's Install block, run as written in a database of its
@@ -278,6 +278,7 @@ installed_files() {
 		"${scripts[@]}" \
 		"libidem-guard-dev:/usr/include/postgresql/idem_guard.h" \
 		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/libidem_guard.a" \
+		"libidem-guard-dev:/usr/lib/x86_64-linux-gnu/pkgconfig/idem-guard.pc" \
 		"python3-idem-pg:/usr/lib/python3/dist-packages/idem_pg/__init__.py" \
 		"python3-idem-pg:/usr/lib/python3/dist-packages/idem_pg/py.typed" \
 		"postgresql-$pgv-idem:/usr/share/doc/postgresql-$pgv-idem/README.md" \
@@ -291,10 +292,10 @@ installed_files() {
 }
 check "files in their packages" installed_files || result
 
-# Tools for the tests only: make for installcheck, a compiler for the guard
-# program.
-check "make and gcc for the tests" in_chroot \
-	"apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends make gcc libc6-dev >/dev/null" ||
+# Tools for the tests only: make for installcheck, a compiler and
+# pkg-config for the guard program.
+check "make, gcc and pkg-config for the tests" in_chroot \
+	"apt-get -o DPkg::Lock::Timeout=600 install -y -qq --no-install-recommends make gcc libc6-dev pkg-config >/dev/null" ||
 	result
 
 sock=/tmp/idem-deb-sock
@@ -368,13 +369,12 @@ main(int argc, char **argv)
 }
 EOF
 	got=$(as_idemtest "
-		cc -Wall -I/usr/include/postgresql -o /tmp/guard_check /build/guard_check.c \
-			-lidem_guard -lpq -pthread
+		cc -Wall -o /tmp/guard_check /build/guard_check.c \$(pkg-config --cflags --libs idem-guard)
 		/tmp/guard_check 'host=$sock dbname=postgres'") || { echo "$got"; return 1; }
 	echo "$got"
 	[ "$got" = "EXECUTED REPLAYED calls=1 status=200 body=paid" ]
 }
-check "a program built with -lidem_guard -lpq -pthread: executed, then replayed" guard_check
+check "a program built with \$(pkg-config --cflags --libs idem-guard): executed, then replayed" guard_check
 
 python_check() {
 	local got

@@ -4,7 +4,7 @@
 set -eu
 
 pkgs="postgresql-15 postgresql-server-dev-15 postgresql-contrib libpq-dev \
-	libipc-run-perl pgbouncer make gcc libc6-dev perl"
+	libipc-run-perl pgbouncer make gcc libc6-dev perl pkg-config"
 
 missing=""
 for p in $pkgs; do

@@ -34,6 +34,46 @@ NOT_STORED = {
     "detail": "The response to the first request with this key was larger than "
               "idem.max_body_size; it was sent then and is not replayed.",
 }
+# doc/http.md, "Problem bodies": every answer of the middleware itself is
+# application/problem+json with the members type, title, status and detail,
+# in that order, compact JSON in UTF-8, byte for byte the same from every
+# stack.  The routes use the header Idempotency-Key and keys of at most
+# 255 bytes.
+PROBLEMS = {
+    "required": (400, "Idempotency-Key required", "this request needs the Idempotency-Key header"),
+    "bad_key": (400, "invalid Idempotency-Key", "the Idempotency-Key header must be an "
+                "sf-string or a token of 1 to 255 printable ASCII characters"),
+    "in_flight": (409, "request in flight", "a request with this key is being processed; retry later"),
+    "conflict": (422, "Idempotency-Key reused", "this key was used with a different request"),
+    "expired": (410, "response expired", "a request with this key was processed and completed; "
+                "its response is no longer kept, and the request is not run again"),
+    "unavailable": (503, "idempotency store unavailable", "the request was not processed; retry later"),
+    "not_authorized": (403, "replay not authorized",
+                       "the stored response to this request is not available to this caller"),
+    "caller_unknown": (500, "caller unknown", "the caller's identity could not be established"),
+    "two_keys": (400, "two idempotency keys",
+                 "Idempotency-Key and Repeatability-Request-ID in one request: send one"),
+    "incomplete": (400, "incomplete repeatable request", "Repeatability-Request-ID and "
+                   "Repeatability-First-Sent go together: both are required"),
+    "bad_first_sent": (400, "invalid Repeatability-First-Sent", "the Repeatability-First-Sent "
+                       "header must be an IMF-fixdate (like Sun, 06 Nov 1994 08:49:37 GMT)"),
+    "too_old": (412, "repeatable request too old", "the Repeatability-First-Sent time is older "
+                "than this route's window of %d seconds: the request cannot be repeated "
+                "safely" % RETENTION),
+}
+# The key the server refuses (longer than its idem.max_key_length): the
+# detail quotes the server's message.
+REFUSED_KEY = re.compile(r"the idempotency store refuses the Idempotency-Key header's key "
+                         r"\(([^()]+(?:\([^()]*\)[^()]*)*)\): a key is at most the server's "
+                         r"idem\.max_key_length bytes")
+
+
+def problem_body(status, title, detail):
+    """The bytes of a problem+json body as doc/http.md defines them."""
+    return json.dumps({"type": "about:blank", "title": title, "status": status, "detail": detail},
+                      separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 IMF_FIXDATE = re.compile(r"^(Mon|Tue|Wed|Thu|Fri|Sat|Sun), \d\d "
                          r"(Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) "
                          r"\d{4} \d\d:\d\d:\d\d GMT$")
@@ -173,10 +213,16 @@ class Runner:
             print("ok %d - %s" % (self.n, name))
         sys.stdout.flush()
 
-    def problem(self, r, status):
+    def problem(self, r, status, which=None):
+        """r is a problem+json answer with this status; with which (a
+        name in PROBLEMS), its body is that answer's, byte for byte."""
         check(r.status == status, "status", status, r)
         check((r.header("content-type") or "").startswith("application/problem+json"),
               "problem+json content-type", r.header("content-type"))
+        if which is not None:
+            want = problem_body(*PROBLEMS[which])
+            check(PROBLEMS[which][0] == status, "the answer's status", which, status)
+            check(r.body == want, "the %s problem body" % which, r.body, want)
 
     def expires(self, r):
         value = r.header("idempotency-expires")
@@ -248,13 +294,13 @@ class Runner:
         r1 = self.post("/plain/orders", key, body=b'{"qty":1}')
         check(r1.status == 201, "first 201", r1)
         r2 = self.post("/plain/orders", key, body=b'{"qty":2}')
-        self.problem(r2, 422)
+        self.problem(r2, 422, "conflict")
         check(self.executions(key, "plain") == 1, "one execution")
 
     def missing_key(self):
         marker = self.key("nokey")
         r = self.post("/plain/orders", None, body=json.dumps({"m": marker}).encode())
-        self.problem(r, 400)
+        self.problem(r, 400, "required")
         check(self.sql("SELECT count(*) FROM conf_orders WHERE key IS NULL OR key = '';")
               == "0", "no execution")
 
@@ -266,7 +312,7 @@ class Runner:
         for raw, marker in cases:
             r = self.post("/plain/orders", raw_key=raw)
             if app_answers:
-                self.problem(r, 400)
+                self.problem(r, 400, "bad_key")
             else:
                 check(r.status == 400, "400 for %r" % raw, r)
             n = self.sql("SELECT count(*) FROM conf_orders WHERE strpos(key, :'m') > 0;", m=marker)
@@ -299,6 +345,11 @@ class Runner:
         for _ in range(2):                  # a retry gets the same answer
             r = self.post("/short/orders", long_key)
             self.problem(r, 400)
+            body = r.json()
+            check(list(body) == ["type", "title", "status", "detail"], "problem members", r.body)
+            m = REFUSED_KEY.fullmatch(body["detail"])
+            check(m is not None and body["title"] == "invalid Idempotency-Key", "refused key body", r.body)
+            check(r.body == problem_body(400, body["title"], body["detail"]), "compact JSON", r.body)
             check(r.header("retry-after") is None, "no Retry-After", r)
         check(self.executions(long_key, "short") == 0, "no execution")
         check(self.key_row(long_key)[0] is None, "nothing claimed")
@@ -316,7 +367,7 @@ class Runner:
         self.bad_keys(cases, app_answers=True)
         for raw in ('""', ""):
             r = self.post("/plain/orders", raw_key=raw)
-            self.problem(r, 400)
+            self.problem(r, 400, "bad_key")
 
     def in_flight_409(self):
         key = self.key("nowait")
@@ -342,7 +393,7 @@ class Runner:
             state, after = self.key_row(key)
         finally:
             t.join(120)
-        self.problem(r, 409)
+        self.problem(r, 409, "in_flight")
         check(state == "PROCESSING", "still in flight after the 409", state)
         ra = r.header("retry-after")
         check(ra is not None and ra.isdigit(), "Retry-After in seconds", ra)
@@ -360,7 +411,7 @@ class Runner:
     def store_down(self):
         key = self.key("down")
         r = self.post("/down/orders", key)
-        self.problem(r, 503)
+        self.problem(r, 503, "unavailable")
         ra = r.header("retry-after")
         check(ra is not None and ra.isdigit() and int(ra) >= 1, "Retry-After", ra)
         check(self.executions(key, "down") == 0, "no execution")
@@ -399,7 +450,7 @@ class Runner:
         state, _ = self.key_row(key)
         check(state == "PROCESSING", "the claim stays in flight", state)
         r = self.post("/plain/orders", key)
-        self.problem(r, 409)
+        self.problem(r, 409, "in_flight")
         check(1 <= int(r.header("retry-after")) <= LEASE, "Retry-After", r)
         check(self.executions(key, "plain") == 1, "no second execution inside the lease")
 
@@ -515,7 +566,7 @@ class Runner:
         check(r1.status == 201, "first 201", r1)
         order = str(r1.json()["order"]).encode()
         r2 = self.post("/authz/orders", key, headers={"X-Conf-Revoked": "1"})
-        self.problem(r2, 403)
+        self.problem(r2, 403, "not_authorized")
         check(r2.header(REPLAYED) is None, "not a replay", r2)
         check(order not in r2.body and r2.header("location") is None, "the body not sent", r2)
         check(self.executions(key, "authz") == 1, "one execution")
@@ -528,11 +579,11 @@ class Runner:
         for how in ("raise", "none"):
             key = self.key("who" + how)
             r = self.post("/plain/orders", key, principal=how)
-            self.problem(r, 500)
+            self.problem(r, 500, "caller_unknown")
             check(self.executions(key, "plain") == 0, "no execution (%s)" % how)
             check(self.rows(key) == 0, "nothing claimed (%s)" % how)
             r = self.post("/tx/orders", key, principal=how)
-            self.problem(r, 500)
+            self.problem(r, 500, "caller_unknown")
             check(self.executions(key, "tx") == 0, "no execution on /tx (%s)" % how)
             check(self.rows(key) == 0, "nothing claimed on /tx (%s)" % how)
 
@@ -572,7 +623,7 @@ class Runner:
         sent = email.utils.formatdate(usegmt=True)
         check(self.oasis("/plain/orders", rid, sent).header(RESULT) == "accepted", "first")
         r = self.oasis("/plain/orders", rid, sent, body=b'{"other": 1}')
-        self.problem(r, 422)
+        self.problem(r, 422, "conflict")
         check(r.header(RESULT) == "rejected", "rejected", r)
         check(self.executions(rid, "plain") == 1, "one execution")
 
@@ -580,7 +631,7 @@ class Runner:
         for path, route in (("/plain/orders", "plain"), ("/tx/orders", "tx")):
             rid = self.key("oasis-old")
             r = self.oasis(path, rid, LONG_AGO)
-            self.problem(r, 412)
+            self.problem(r, 412, "too_old")
             check(r.header(RESULT) == "rejected", path + " rejected", r)
             check(self.executions(rid, route) == 0, path + " no execution")
             check(self.rows(rid) == 0, path + " nothing claimed")
@@ -588,19 +639,19 @@ class Runner:
     def oasis_malformed(self):
         rid = self.key("oasis-bad")
         now = email.utils.formatdate(usegmt=True)
-        for what, headers in (
-                ("a date that is no IMF-fixdate",
+        for what, which, headers in (
+                ("a date that is no IMF-fixdate", "bad_first_sent",
                  {"Repeatability-Request-ID": rid, "Repeatability-First-Sent": "yesterday"}),
-                ("an RFC 850 date",
+                ("an RFC 850 date", "bad_first_sent",
                  {"Repeatability-Request-ID": rid,
                   "Repeatability-First-Sent": "Sunday, 06-Nov-94 08:49:37 GMT"}),
-                ("a Request-ID without First-Sent", {"Repeatability-Request-ID": rid}),
-                ("a First-Sent without Request-ID", {"Repeatability-First-Sent": now}),
-                ("a Request-ID and an Idempotency-Key",
+                ("a Request-ID without First-Sent", "incomplete", {"Repeatability-Request-ID": rid}),
+                ("a First-Sent without Request-ID", "incomplete", {"Repeatability-First-Sent": now}),
+                ("a Request-ID and an Idempotency-Key", "two_keys",
                  {"Repeatability-Request-ID": rid, "Repeatability-First-Sent": now,
                   "Idempotency-Key": rid})):
             r = self.post("/plain/orders", None, headers=headers)
-            self.problem(r, 400)
+            self.problem(r, 400, which)
             check(r.header(RESULT) == "rejected", what + ": rejected", r)
         check(self.executions(rid, "plain") == 0, "no execution")
         check(self.rows(rid) == 0, "nothing claimed")
@@ -643,7 +694,7 @@ class Runner:
         check(over == "t", "the retention is over", over)
         for _ in range(2):                  # a second retry: the same answer
             r = self.post("/remember/orders", key)
-            self.problem(r, 410)
+            self.problem(r, 410, "expired")
             check(r.header(REPLAYED) is None, "not a replay", r)
             check(r.json().get("status") == 410, "problem status 410", r.body)
             check(str(r1.json()["order"]).encode() not in r.body, "not the stored body", r)

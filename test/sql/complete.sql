@@ -85,8 +85,26 @@ SELECT key_row('', 'c-err') = :'row0' AS unchanged;
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'x')$$);
 SELECT key_row('', 'c-err') = :'row0' AS unchanged;
 
--- A token that never held this key: ID002.
+-- A token older than the key's, which never held it (another key's): ID002.
+-- The row keeps only its current token, so the detail names both causes;
+-- a token below 1 was never issued, and the detail says so alone.
 SELECT try($$SELECT idem_complete('c-err', 'fp', 200, 'x', $$ || (:tok - 1) || $$)$$);
+SELECT key_row('', 'c-err') = :'row0' AS unchanged;
+CREATE FUNCTION try_detail(q text, tok bigint) RETURNS text LANGUAGE plpgsql AS $$
+DECLARE
+	detail text;
+BEGIN
+	EXECUTE q;
+	RETURN 'ok';
+EXCEPTION WHEN OTHERS THEN
+	GET STACKED DIAGNOSTICS detail = PG_EXCEPTION_DETAIL;
+	RETURN SQLSTATE || ': ' || replace(detail, tok::text, 'N');
+END $$;
+SELECT try_detail(format($$SELECT idem_complete('c-err', 'fp', 200, 'x', %s)$$, :tok - 1), :tok - 1);
+SELECT try_detail($$SELECT idem_complete('c-err', 'fp', 200, 'x', 0)$$, 0);
+SELECT try_detail($$SELECT idem_complete('c-err', 'fp', 200, 'x', -5)$$, -5);
+-- A token newer than the key's was never this key's: ID003.
+SELECT try_detail(format($$SELECT idem_complete('c-err', 'fp', 200, 'x', %s)$$, :tok + 1000), :tok + 1000);
 SELECT key_row('', 'c-err') = :'row0' AS unchanged;
 
 -- Missing key, or the right key in another scope: ID003.
@@ -103,6 +121,7 @@ SELECT claimed, state, token > :tok AS greater_token, token AS tok2
 \echo :claimed :state :greater_token
 SELECT key_row('', 'c-err') AS row1 \gset
 SELECT try($$SELECT idem_complete('c-err', 'fp', 500, 'stale', $$ || :tok || $$)$$);
+SELECT try_detail(format($$SELECT idem_complete('c-err', 'fp', 500, 'stale', %s)$$, :tok), :tok);
 SELECT key_row('', 'c-err') = :'row1' AS unchanged;
 SELECT idem_complete('c-err', 'fp', 200, 'fresh', :tok2) IS NOT NULL AS completed;
 SELECT key_row('', 'c-err') AS row2 \gset

@@ -125,7 +125,7 @@ my @expected = (
 	# idem_begin in the "$user" schema is not called; a missing schema or
 	# function is a failed claim that names what it looked for.
 	[ user_schema => 'outcome=EXECUTED failed=none fake_token=no calls=1 state=DONE' ],
-	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 message=schema of "nosuch".idem_begin(text, text, interval, interval, text, boolean) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem calls=1 state=NONE' ],
+	[ schema_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=3F000 message=idem_begin not found in schema "nosuch"; set IdemGuardOptions.schema to the schema where CREATE EXTENSION idem put it, or if the version is old run ALTER EXTENSION idem UPDATE calls=1 state=NONE' ],
 	# A state the guard does not know is a failed claim, not in flight.
 	[ unknown_state => 'outcome=UNAVAILABLE failed=begin message=idem_begin answered an unknown state "TOMBSTONED" calls=0' ],
 	# remember is sent (named) only when set: that idem_begin has none.
@@ -135,7 +135,7 @@ my @expected = (
 	[ expired_0 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=none' ],
 	[ expired_1 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=90000' ],
 	[ expired_2 => 'outcome=EXPIRED failed=none status=201 body=none calls=0 remember=5000' ],
-	[ function_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 message=function "pg_catalog".idem_begin(text, text, interval, interval, text, boolean, interval) not found; set IdemGuardOptions.schema to the schema of CREATE EXTENSION idem (wait_for needs idem 1.4) calls=1 state=NONE' ],
+	[ function_missing => 'outcome=UNAVAILABLE failed=begin sqlstate=42883 message=idem_begin with wait_for not found in schema "pg_catalog"; set IdemGuardOptions.schema to the schema where CREATE EXTENSION idem put it, or if the version is old run ALTER EXTENSION idem UPDATE calls=1 state=NONE' ],
 	# The client timeout fires after the claim (and the response) committed
 	# locally, while the commit waits for a synchronous standby: the claim
 	# is used, not thrown away.

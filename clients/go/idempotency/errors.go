@@ -154,7 +154,8 @@ func mapError(err error) error {
 }
 
 // missingError turns a missing function (42883) or schema (3F000) into
-// *Error naming the function and schema looked for; other errors are
+// *Error naming the function and schema looked for and what fixes it (the
+// Schema option, or an update of an old version); other errors are
 // mapError's.  schema is quoted; fn is the function with its argument
 // types.
 func missingError(err error, schema, fn string) error {
@@ -162,15 +163,16 @@ func missingError(err error, schema, fn string) error {
 	if err == nil || !errors.As(err, &pg) || (pg.Code != "42883" && pg.Code != "3F000") {
 		return mapError(err)
 	}
-	what := "function"
-	if pg.Code == "3F000" {
-		what = "schema of function"
+	name := fn
+	if i := strings.IndexByte(fn, '('); i >= 0 {
+		name = fn[:i]
 	}
-	msg := fmt.Sprintf("%s %s.%s not found (%s): is the idem extension installed in schema %s? "+
-		"Set PostgresStore.Schema to the schema of CREATE EXTENSION idem",
-		what, schema, fn, pg.Message, schema)
 	if strings.HasPrefix(fn, "idem_begin(") && strings.Count(fn, ",") == 6 {
-		msg += "; idem_begin with wait_for (Guard.WaitFor) needs idem 1.4"
+		name += " with wait_for"
 	}
+	msg := fmt.Sprintf("%s not found in schema %s (%s: %s.%s: %s); "+
+		"set PostgresStore.Schema to the schema where CREATE EXTENSION idem put it, "+
+		"or if the version is old run ALTER EXTENSION idem UPDATE",
+		name, schema, pg.Code, schema, fn, pg.Message)
 	return &Error{Code: pg.Code, Message: msg, Err: pg}
 }

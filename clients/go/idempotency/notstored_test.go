@@ -370,14 +370,16 @@ func TestMissingFunctionNamed(t *testing.T) {
 			_, _, err := store.BeginWait(bg, "m-1", "fp", time.Now(), time.Second, time.Hour, c.wait)
 			var ie *Error
 			var pg *pgconn.PgError
-			fn := fnBegin
+			fn, beginName := fnBegin, "idem_begin"
 			if c.wait > 0 {
-				fn = fnBeginWait
+				fn, beginName = fnBeginWait, "idem_begin with wait_for"
 			}
 			msg := fmt.Sprint(err)
 			if !errors.As(err, &ie) || ie.Code != c.code || !errors.As(err, &pg) || pg.Code != c.code ||
-				!strings.Contains(msg, `"`+c.quoted+`".`+fn) || !strings.Contains(msg, "PostgresStore.Schema") ||
-				strings.Contains(msg, "needs idem 1.4") != (c.wait > 0) {
+				!strings.Contains(msg, `"`+c.quoted+`".`+fn) ||
+				!strings.HasPrefix(ie.Message, beginName+` not found in schema "`+c.quoted+`" (`+c.code+": ") ||
+				!strings.HasSuffix(ie.Message, "; set PostgresStore.Schema to the schema where CREATE EXTENSION idem put it, "+
+					"or if the version is old run ALTER EXTENSION idem UPDATE") {
 				t.Fatalf("schema %s wait %v timeout %v: %v", c.schema, c.wait, timeout, err)
 			}
 			err = store.Complete(WithClaim(bg, Claim{Key: "m-1", Token: 1}), "m-1", "fp", Response{Status: 200}, time.Now(), time.Hour)

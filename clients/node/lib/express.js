@@ -492,6 +492,23 @@ function idempotency(poolOrGuard, options = {}) {
     }
   }
 
+  // An unavailable store is logged once, with its cause, when requests
+  // start failing on it, not for every request answered 503 meanwhile;
+  // once a request reaches it again, the next failure is logged again.
+  let storeDown = false;
+  function storeState(result) {
+    if (result.outcome !== Outcome.UNAVAILABLE) {
+      storeDown = false;
+      return;
+    }
+    if (storeDown || refusedKey(result.error) !== null) return;
+    storeDown = true;
+    const err = result.error;
+    const cause = err ? `${err.code ? `${err.code}: ` : ''}${err.message}` : 'no cause given';
+    warn(`idem: idempotency store unavailable (${cause}); requests with a key are answered 503` +
+      ' until it answers again, which is not logged for each one');
+  }
+
   /** Warnings of the hooks: the guard's logger, else console. */
   function warn(message) {
     const logger = guardOptions.logger || guard.options.logger;
@@ -581,6 +598,7 @@ function idempotency(poolOrGuard, options = {}) {
       result = await guard.do(key, fp, (claim) => runCaptured(req, res, next, claim, capture, ctx), { ...overrides, scope: sc });
     }
     if (onResult) onResult(result, req);
+    storeState(result);
 
     switch (result.outcome) {
       case Outcome.REPLAYED: {

@@ -117,16 +117,14 @@ class Store {
 
   /**
    * The error of a call whose function or schema the server did not find
-   * (42883, 3F000): which function, with how many arguments, in which
-   * schema, and the option that names the schema.
+   * (42883, 3F000): which function, in which schema, and what fixes it:
+   * the schema option, or an update of an old version.
    */
   _notFound(text, nargs, err) {
     const fn = /\.(idem_[a-z]+)\(/.exec(text)[1];
-    const what = err.code === '3F000' ? `schema ${quoteIdent(this.schema)} does not exist`
-      : `function ${quoteIdent(this.schema)}.${fn} with ${nargs} arguments does not exist`;
-    return new IdemError(`idem: ${what} (${err.code}): is the extension installed in schema ${quoteIdent(this.schema)}` +
-      ' (and updated: ALTER EXTENSION idem UPDATE)? The schema option names the schema of CREATE EXTENSION idem' +
-      ` (schema: '${this.schema}' now). Server: ${err.message}`, { code: err.code, cause: err });
+    return new IdemError(`idem: ${fn} not found in schema ${quoteIdent(this.schema)} (${err.code}: ${err.message});` +
+      ' set the schema: option to the schema where CREATE EXTENSION idem put it,' +
+      ' or if the version is old run ALTER EXTENSION idem UPDATE', { code: err.code, cause: err });
   }
 
   /**

@@ -390,17 +390,48 @@ def test_function_not_found_names_function_and_schema(dsn, db):
     r = Guard(dsn, schema="nowhere").do(new_key(), FP, lambda claim: Response(200))
     assert r.outcome is Outcome.UNAVAILABLE and isinstance(r.error, FunctionNotFound)
     text = str(r.error)
-    assert "nowhere.idem_begin" in text and "schema=" in text
+    assert text.startswith('idem_begin not found in schema "nowhere" (3F000: ')
+    fix = ("set schema= (of the guard, atomic() or the middleware's guard) to the schema "
+           "where CREATE EXTENSION idem put it, or if the version is old run "
+           "ALTER EXTENSION idem UPDATE")
+    assert text.endswith("; " + fix)
     assert r.error.sqlstate == "3F000"                 # no such schema
     db.execute("CREATE SCHEMA IF NOT EXISTS idem_empty")
     r = Guard(dsn, schema="idem_empty").do(new_key(), FP, lambda claim: Response(200))
     assert isinstance(r.error, FunctionNotFound) and r.error.sqlstate == "42883"
-    assert "idem_empty.idem_begin" in str(r.error) and "schema=" in str(r.error)
+    assert str(r.error).startswith('idem_begin not found in schema "idem_empty" (42883: ')
+    assert str(r.error).endswith("; " + fix)
     with psycopg.connect(dsn, autocommit=True) as conn:
         with pytest.raises(FunctionNotFound) as e:
             with atomic(conn, new_key(), FP, schema="elsewhere"):
                 pass
-    assert "elsewhere.idem_begin" in str(e.value) and "schema=" in str(e.value)
+    assert str(e.value).startswith('idem_begin not found in schema "elsewhere"')
+    assert str(e.value).endswith("; " + fix)
+
+
+@pytest.mark.parametrize("aio", [False, True])
+def test_wrong_schema_first_warning_names_schema_and_option(dsn, db, caplog, aio):
+    """With wait_for, the first call in a wrong schema is refused as if the
+    server lacked wait_for: the warning names the schema looked in and
+    schema=, not only ALTER EXTENSION idem UPDATE."""
+    db.execute("CREATE SCHEMA IF NOT EXISTS idem_empty")
+    caplog.set_level(logging.WARNING, logger="idem_pg")
+    if aio:
+        r = asyncio.run(AsyncGuard(dsn, schema="idem_empty").do(
+            new_key(), FP, lambda claim: _aresponse(), wait_for=1))
+    else:
+        r = Guard(dsn, schema="idem_empty").do(new_key(), FP, lambda claim: Response(200),
+                                              wait_for=1)
+    assert isinstance(r.error, FunctionNotFound)
+    warnings = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert warnings, "no warning"
+    first = warnings[0]
+    assert first.startswith('idem_begin with wait_for not found in schema "idem_empty" (42883: '), first
+    assert "set schema= (of the guard" in first and "ALTER EXTENSION idem UPDATE" in first, first
+
+
+async def _aresponse():
+    return Response(200)
 
 
 @pytest.mark.parametrize("mode", ["asgi", "wsgi"])

@@ -185,7 +185,7 @@ def test_server_without_wait_for_answers_the_six_argument_form(dsn, db, caplog):
         for r in (first, second):
             assert r.outcome is Outcome.IN_FLIGHT and r.error is None, r.error
             assert 10 < r.lease_left <= 20
-        warnings = [m for m in caplog.messages if "no idem_begin with wait_for" in m]
+        warnings = [m for m in caplog.messages if "idem_begin with wait_for not found in schema" in m]
         assert len(warnings) == 1 and h.claims == []
     finally:
         db.execute('DROP SCHEMA "%s" CASCADE' % schema)

@@ -222,8 +222,14 @@ def unpack(data: bytes) -> Tuple[Headers, bytes]:
     return [(str(k), str(v)) for k, v in json.loads(line.decode("utf-8"))], body
 
 
-def problem(status: int, title: str, extra: Optional[Headers] = None) -> Tuple[int, Headers, bytes]:
-    body = json.dumps({"title": title, "status": status}).encode("utf-8")
+def problem(status: int, title: str, detail: str,
+            extra: Optional[Headers] = None) -> Tuple[int, Headers, bytes]:
+    """An application/problem+json answer (RFC 9457), byte for byte the
+    Node middleware's for the same answer (doc/http.md): the members type,
+    title, status and detail in that order, compact, UTF-8."""
+    body = json.dumps({"type": "about:blank", "title": title, "status": status,
+                       "detail": detail},
+                      separators=(",", ":"), ensure_ascii=False).encode("utf-8")
     headers = [("content-type", "application/problem+json"),
                ("content-length", str(len(body)))]
     return status, headers + list(extra or []), body
@@ -335,15 +341,15 @@ class Settings:
             return int(status), list(headers), bytes(body)
         if answer is True:
             return None
-        return problem(403, "the stored response to this request is not available to "
-                       "this caller")
+        return problem(403, "replay not authorized",
+                       "the stored response to this request is not available to this caller")
 
     def principal_failed(self) -> Answer:
-        return problem(500, "the caller's identity could not be established")
+        return problem(500, "caller unknown", "the caller's identity could not be established")
 
     def authorize_failed(self) -> Answer:
-        return problem(500, "the caller's access to the stored response could not be "
-                       "checked")
+        return problem(500, "replay not authorized",
+                       "the caller's access to the stored response could not be checked")
 
     def wait_of(self, request: Any) -> float:
         """The wait for this request (ASGI scope or WSGI environ); 0: none."""
@@ -362,12 +368,15 @@ class Settings:
         required, or (None, the 400 to answer)."""
         if value is None:
             if self.required:
-                return None, problem(400, "the %s header is missing" % self.header)
+                return None, problem(400, "Idempotency-Key required",
+                                     "this request needs the %s header" % self.header)
             return None, None
         try:
             return parse_key(value, self.max_key_length), None
-        except BadKey as exc:
-            return None, problem(400, "the %s header is not a key: %s" % (self.header, exc))
+        except BadKey:
+            return None, problem(400, "invalid Idempotency-Key",
+                                 "the %s header must be an sf-string or a token of 1 to %d "
+                                 "printable ASCII characters" % (self.header, self.max_key_length))
 
     def oasis_of(self, request_id: Optional[str], first_sent: Optional[str],
                  key_header: Optional[str]) -> Tuple[Optional[str], Optional[_dt.datetime],
@@ -379,21 +388,25 @@ class Settings:
         Idempotency-Key of that value; a request that also has ``header``
         (``key_header``: its value) is refused."""
         if key_header is not None:
-            return None, None, problem(400, "%s and %s in one request: send one"
+            return None, None, problem(400, "two idempotency keys",
+                                       "%s and %s in one request: send one"
                                        % (self.header, REQUEST_ID))
         if request_id is None or first_sent is None:
-            return None, None, problem(400, "%s and %s go together: both are required"
+            return None, None, problem(400, "incomplete repeatable request",
+                                       "%s and %s go together: both are required"
                                        % (REQUEST_ID, FIRST_SENT))
         rid = request_id.strip(" \t")
         if not rid or len(rid) > self.max_key_length or \
                 not all(" " <= c <= "~" for c in rid):
-            return None, None, problem(400, "the %s header must be 1 to %d printable ASCII "
+            return None, None, problem(400, "invalid %s" % REQUEST_ID,
+                                       "the %s header must be 1 to %d printable ASCII "
                                        "characters" % (REQUEST_ID, self.max_key_length))
         try:
             at = parse_http_date(first_sent)
-        except BadDate as exc:
-            return None, None, problem(400, "the %s header is not an HTTP date: %s"
-                                       % (FIRST_SENT, exc))
+        except BadDate:
+            return None, None, problem(400, "invalid %s" % FIRST_SENT,
+                                       "the %s header must be an IMF-fixdate (like Sun, "
+                                       "06 Nov 1994 08:49:37 GMT)" % FIRST_SENT)
         return rid, at, None
 
     @staticmethod
@@ -404,7 +417,8 @@ class Settings:
         age = (_dt.datetime.now(_dt.timezone.utc) - first_sent).total_seconds()
         if age <= window:
             return None
-        return problem(412, "the %s time is older than this route's window of %s seconds: "
+        return problem(412, "repeatable request too old",
+                       "the %s time is older than this route's window of %s seconds: "
                        "the request cannot be repeated safely" % (FIRST_SENT, lifetime(window)))
 
     def window_known(self, retention: Seconds) -> Optional[float]:
@@ -432,10 +446,12 @@ class Settings:
         if message is None:
             return None
         if message.startswith("scope"):
-            return problem(400, "the idempotency store refuses the scope of this request "
-                           "(%s)" % message)
-        return problem(400, "the %s header is not a key: the idempotency store refuses it "
-                       "(%s)" % (self.header, message))
+            return problem(400, "idempotency scope refused",
+                           "the idempotency store refuses this request's scope (%s): a scope "
+                           "is at most the server's idem.max_key_length bytes" % message)
+        return problem(400, "invalid Idempotency-Key",
+                       "the idempotency store refuses the %s header's key (%s): a key is at "
+                       "most the server's idem.max_key_length bytes" % (self.header, message))
 
     @property
     def not_stored(self) -> Response:
@@ -462,20 +478,23 @@ class Settings:
         after = self.retry_after
         if lease_left is not None:
             after = max(1, math.ceil(lease_left))
-        return problem(409, "a request with this %s is being processed" % self.header,
+        return problem(409, "request in flight",
+                       "a request with this key is being processed; retry later",
                        [("retry-after", str(after))])
 
     def conflict(self) -> Tuple[int, Headers, bytes]:
-        return problem(422, "this %s was used for a different request" % self.header)
+        return problem(422, "Idempotency-Key reused", "this key was used with a different request")
 
     def expired(self) -> Tuple[int, Headers, bytes]:
         """410: the request was executed and completed once; its stored
         response is gone (a server with tombstones); it is not run again."""
-        return problem(410, "response expired: a request with this %s was completed "
-                       "and its response is no longer kept" % self.header)
+        return problem(410, "response expired",
+                       "a request with this key was processed and completed; its response is "
+                       "no longer kept, and the request is not run again")
 
     def unavailable(self) -> Tuple[int, Headers, bytes]:
-        return problem(503, "the idempotency store is unavailable",
+        return problem(503, "idempotency store unavailable",
+                       "the request was not processed; retry later",
                        [("retry-after", str(self.retry_after))])
 
 

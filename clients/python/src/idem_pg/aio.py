@@ -260,7 +260,7 @@ class AsyncGuard:
             try:
                 return await call(True)
             except Exception as exc:
-                if not self._wait_for_support.refused(exc):
+                if not self._wait_for_support.refused(exc, self.sql.schema):
                     raise
         return await call(False)
 

@@ -152,15 +152,23 @@ def not_found(exc: BaseException, function: str, schema: str) -> BaseException:
     state = getattr(exc, "sqlstate", None)
     if state not in ("42883", "3F000") or isinstance(exc, FunctionNotFound):
         return exc
-    what = "%s.%s" % (schema, function)
     first = (str(exc).strip().splitlines() or [state])[0]
-    err = FunctionNotFound(
-        "%s not found (%s: %s): is the idem extension installed, and up to date, in "
-        "schema %r of this database? Pass schema= (the schema of CREATE EXTENSION "
-        "idem) to the guard, atomic() or the middleware's guard"
-        % (what, state, first, schema), sqlstate=state)
+    err = FunctionNotFound("%s not found in schema %s (%s: %s); %s"
+                           % (function, quote_ident(schema), state, first, WHAT_TO_DO),
+                           sqlstate=state)
     err.__cause__ = exc
     return err
+
+
+# What fixes a missing idem function: the schema option, or an update.
+WHAT_TO_DO = ("set schema= (of the guard, atomic() or the middleware's guard) to the "
+              "schema where CREATE EXTENSION idem put it, or if the version is old "
+              "run ALTER EXTENSION idem UPDATE")
+
+
+def quote_ident(name: str) -> str:
+    """``name`` in double quotes, as PostgreSQL's messages name a schema."""
+    return '"' + name.replace('"', '""') + '"'
 
 
 def translate(exc: BaseException) -> BaseException:

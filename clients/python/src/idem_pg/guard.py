@@ -35,8 +35,8 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Clai
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       text, wait_seconds)
-from .errors import (CLAIM_GONE, AlreadyCompleted, Unavailable, not_found, translate,
-                     transient)
+from .errors import (CLAIM_GONE, WHAT_TO_DO, AlreadyCompleted, FunctionNotFound,
+                     Unavailable, not_found, quote_ident, translate, transient)
 
 try:
     from psycopg_pool import ConnectionPool
@@ -134,16 +134,20 @@ class _WaitForSupport:
     def usable(self) -> bool:
         return time.monotonic() >= self.until
 
-    def refused(self, exc: BaseException) -> bool:
-        """Note a refusal of wait_for; True if exc is one."""
+    def refused(self, exc: BaseException, schema: str) -> bool:
+        """Note a refusal of wait_for; True if exc is one.  A wrong schema
+        is refused alike (no idem_begin at all), so the warning names the
+        schema and both fixes."""
         state = getattr(exc, "sqlstate", None)
         if state not in NO_WAIT_FOR:
             return False
         if self.usable():
-            log.warning("the server has no idem_begin with wait_for (%s: %s); "
-                        "duplicates are answered in flight at once for %d s: "
-                        "ALTER EXTENSION idem UPDATE", state, str(exc).strip(),
-                        NO_WAIT_FOR_RETRY)
+            cause = exc.__cause__ if isinstance(exc, FunctionNotFound) and exc.__cause__ else exc
+            log.warning("idem_begin with wait_for not found in schema %s (%s: %s); "
+                        "duplicates are answered in flight at once for %d s; %s",
+                        quote_ident(schema), state,
+                        (str(cause).strip().splitlines() or [state])[0],
+                        NO_WAIT_FOR_RETRY, WHAT_TO_DO)
         self.until = time.monotonic() + NO_WAIT_FOR_RETRY
         return True
 
@@ -390,7 +394,7 @@ class Guard:
             try:
                 return call(True)
             except Exception as exc:
-                if not self._wait_for_support.refused(exc):
+                if not self._wait_for_support.refused(exc, self.sql.schema):
                     raise
         return call(False)
 
