@@ -19,7 +19,7 @@
 #   (test/docs/serve.cjs);
 # - go: the block inside test/docs/main.go.in, built in GOPATH mode with
 #   Debian's pgx v4, as clients/go/test.sh does;
-# - sh: sh -e from the repository's root.
+# - sh: sh -e from the repository's root, TMPDIR a folder of the runner's.
 #
 # Each file's blocks share one database, app, made afresh for the file:
 # the roles app and ops exist, test/docs/setup.sql has run, and, unless
@@ -202,7 +202,8 @@ run_block() {
 					timeout 300 go run .)
 		;;
 	sh)
-		timeout 120 sh -e "$src"
+		# Their mktemp folders go with the runner's.
+		mkdir -p "$work/tmp" && TMPDIR="$work/tmp" timeout 120 sh -e "$src"
 		;;
 	*)
 		echo "no way to run a $lang block"
