@@ -19,8 +19,9 @@
 #   (test/docs/serve.cjs);
 # - go: the block inside test/docs/main.go.in, built in GOPATH mode with
 #   Debian's pgx v4, as clients/go/test.sh does;
-# - sh: sh -e from the repository's root; with "fresh", as root on a
-#   fresh Debian 12 machine instead (test/fresh.sh; skipped unless root).
+# - sh: sh -e from the repository's root, TMPDIR a folder of the runner's;
+#   with "fresh", as root on a fresh Debian 12 machine instead
+#   (test/fresh.sh; skipped unless root).
 #
 # A "```text output" block right after a run block is what it prints: its
 # lines must come in the block's output, in order.
@@ -227,7 +228,10 @@ run_block() {
 	sh)
 		case " $opts " in
 		*" fresh "*) bash "$top/test/fresh.sh" "$src" ;;
-		*) timeout 120 sh -e "$src" ;;
+		*)
+			# Their mktemp folders go with the runner's.
+			mkdir -p "$work/tmp" && TMPDIR="$work/tmp" timeout 120 sh -e "$src"
+			;;
 		esac
 		;;
 	*)

@@ -12,9 +12,10 @@
 # Debian's Go and pgx v4 packages if they are missing, starts a cluster
 # with test/cluster.sh (as root, its server runs as the user idemtest),
 # runs CREATE EXTENSION idem and `go test` in GOPATH mode (in the UTF8
-# database postgres, then in test/odd_database.sql's), always stops the
-# cluster, and ends with a line "N passed, N failed" counting the Go test
-# cases (tests and subtests).
+# database postgres, then in test/odd_database.sql's), then moduletest's
+# TestModuleMode in module mode without a module proxy (README.md, "Module
+# mode, offline"), always stops the cluster, and ends with a line
+# "N passed, N failed" counting the Go test cases (tests and subtests).
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -103,9 +104,53 @@ run_go() {
 }
 run_go postgres
 run_go idem_odd
+
+# 4. Module mode, offline (README.md, "Module mode, offline"): a module of
+# the user's that requires idem/clients/go, replaces it with this folder
+# and takes pgx v4 from Debian's sources through vendor/, with no module
+# proxy; its test (moduletest/) runs against the database postgres.
+run_module() {
+	echo "# go test: module mode, database postgres" >>"$log"
+	mod=$work/module
+	mkdir -p "$mod/vendor/idem/clients" &&
+		cp "$here/moduletest/module_test.go" "$mod/" &&
+		ln -s /usr/share/gocode/src/github.com /usr/share/gocode/src/golang.org "$mod/vendor/" &&
+		ln -s "$here" "$mod/vendor/idem/clients/go" &&
+		cat >"$mod/go.mod" <<EOF &&
+module example.com/moduletest
+
+go 1.19
+
+require (
+	github.com/jackc/pgx/v4 v4.15.0
+	idem/clients/go v0.0.0
+)
+
+replace idem/clients/go => $here
+EOF
+		cat >"$mod/vendor/modules.txt" <<EOF || { echo "module set-up failed" >>"$log"; rc=1; return; }
+# github.com/jackc/pgx/v4 v4.15.0
+## explicit
+# idem/clients/go v0.0.0 => $here
+## explicit; go 1.19
+# idem/clients/go => $here
+EOF
+	(
+		cd "$mod" &&
+			GO111MODULE=on GOFLAGS= GOPROXY=off \
+				IDEM_TEST_DSN="host=$dir port=$port user=postgres dbname=postgres" \
+				exec go test -v -count=1 -timeout 300s .
+	) >>"$log" 2>&1 &
+	gotest=$!
+	wait "$gotest"
+	grc=$?
+	gotest=
+	[ "$grc" -ne 0 ] && rc=$grc
+}
+case "${IDEM_GO_TESTS:-}" in '' | *Module*) run_module ;; esac
 cat "$log"
 
-# 4. Count the cases.
+# 5. Count the cases.
 passed=$(grep -c -- '--- PASS:' "$log")
 failed=$(grep -c -- '--- FAIL:' "$log")
 if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
