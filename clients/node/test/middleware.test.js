@@ -256,6 +256,24 @@ test('503 with Retry-After when idem is unavailable; the handler not run', async
   }
 });
 
+test('an unavailable store is logged once, with its cause, not for every 503', async () => {
+  const dead = deadPool();
+  const warnings = [];
+  try {
+    const { url, state } = await start({ timeout: 2000, logger: { warn: (m) => warnings.push(m) } }, dead);
+    for (let i = 0; i < 3; i++) {
+      const res = await post(`${url}/orders`, uniqueKey('down-log'), { item: 'book' });
+      assert.equal(res.status, 503);
+    }
+    assert.equal(state.calls.orders, undefined);
+    assert.equal(warnings.length, 1, JSON.stringify(warnings));
+    assert.match(warnings[0], /^idem: idempotency store unavailable \(.+\); requests with a key are answered 503 until it answers again/);
+    assert.match(warnings[0], /ENOENT|ECONNREFUSED|connect|timeout/i, warnings[0]);
+  } finally {
+    await dead.end();
+  }
+});
+
 test('5xx answers and thrown errors are released by default: the retry runs the handler again', async () => {
   const { url, state } = await start({});
   const key = uniqueKey('fail');

@@ -463,3 +463,41 @@ def test_unknown_state_is_503_and_the_handler_does_not_run(dsn, future_schema, m
         with httpx.Client(app=wapp, base_url="http://app") as c:
             r = c.post("/orders", content=b"{}", headers={"Idempotency-Key": key})
     assert r.status_code == 503 and ran == [], (r.status_code, r.text)
+
+
+# -- an unavailable store, logged once ------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["asgi", "wsgi"])
+def test_unavailable_store_is_logged_once_with_its_cause(down_dsn, caplog, mode):
+    """Three requests to a store that is down: three 503, one warning, which
+    says why (the connection's error); as the Node middleware does."""
+    ran = []
+    caplog.set_level(logging.WARNING, logger="idem_pg")
+    if mode == "asgi":
+        async def orders(request):
+            ran.append(1)
+            return JSONResponse({}, status_code=201)
+
+        app = Starlette(routes=[Route("/orders", orders, methods=["POST"])])
+        app.add_middleware(IdempotencyMiddleware, guard=AsyncGuard(down_dsn, timeout=2),
+                           shared=True)
+        statuses = [asgi_post(app, new_key("down")).status_code for _ in range(3)]
+    else:
+        def orders(environ, start_response):
+            ran.append(1)
+            start_response("201 Created", [("Content-Type", "application/json")])
+            return [b"{}"]
+
+        wapp = IdempotencyWSGIMiddleware(orders, guard=Guard(down_dsn, timeout=2), shared=True)
+        with httpx.Client(app=wapp, base_url="http://app") as c:
+            statuses = [c.post("/orders", content=b"{}",
+                               headers={"Idempotency-Key": new_key("down")}).status_code
+                        for _ in range(3)]
+    assert statuses == [503, 503, 503] and ran == []
+    warnings = [m for m in caplog.messages if "idempotency store unavailable" in m]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("idempotency store unavailable (")
+    assert "connect" in warnings[0].lower() or "refused" in warnings[0].lower(), warnings[0]
+    assert warnings[0].endswith("; requests with a key are answered 503 until it answers "
+                                "again, which is not logged for each one")

@@ -321,6 +321,7 @@ class Settings:
         if remember is not None and seconds(remember) is None:
             raise ValueError("remember must be a number of seconds or a timedelta")
         self.remember = remember
+        self._store_down = False
 
     def scope_of(self, tenant: str, principal: Any) -> str:
         """The scope of a request's key: the tenant alone when shared, else
@@ -491,6 +492,24 @@ class Settings:
         return problem(410, "response expired",
                        "a request with this key was processed and completed; its response is "
                        "no longer kept, and the request is not run again")
+
+    def store_state(self, result: Any, log: logging.Logger) -> None:
+        """Log an unavailable store once, with its cause, when requests
+        start failing on it, not for every request answered 503 meanwhile;
+        once a request reaches it again, the next failure is logged again
+        (the Node middleware alike)."""
+        if result.outcome.name != "UNAVAILABLE":
+            self._store_down = False
+            return
+        if self._store_down or refused_key(result.error) is not None:
+            return
+        self._store_down = True
+        err = result.error
+        state = getattr(err, "sqlstate", None)
+        cause = ("%s: %s" % (state, err) if state else str(err)) if err is not None \
+            else "no cause given"
+        log.warning("idempotency store unavailable (%s); requests with a key are answered "
+                    "503 until it answers again, which is not logged for each one", cause)
 
     def unavailable(self) -> Tuple[int, Headers, bytes]:
         return problem(503, "idempotency store unavailable",

@@ -272,6 +272,7 @@ class IdempotencyMiddleware:
         result = await self.guard.do(key, fingerprint, handler, scope=tenant,
                                      wait_for=s.wait_of(scope), remember=s.remember,
                                      not_stored=s.not_stored)
+        s.store_state(result, log)
         if result.outcome is Outcome.REPLAYED:
             stored = cast(Response, result.response)
             await self._replay(scope, send, stored.status, stored.body, result.expires_at)
@@ -286,7 +287,6 @@ class IdempotencyMiddleware:
             if bad is not None:             # the server's limit: no claim, no handler
                 await self._send(send, *bad)
                 return
-            log.warning("idempotency store unavailable for key %r: %s", key, result.error)
             await self._send(send, *s.unavailable())
         else:
             if result.failed_step == "handler" and not isinstance(result.error, NotStored):

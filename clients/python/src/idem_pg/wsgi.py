@@ -249,6 +249,7 @@ class IdempotencyWSGIMiddleware:
         result = self.guard.do(key, fingerprint, handler, scope=tenant,
                                wait_for=s.wait_of(environ), remember=s.remember,
                                not_stored=s.not_stored)
+        s.store_state(result, log)
         if result.outcome is Outcome.REPLAYED:
             return self._replay(environ, start_response, result.response.status,
                                 result.response.body, result.expires_at)
@@ -262,7 +263,6 @@ class IdempotencyWSGIMiddleware:
             bad = s.refused(result.error) if result.failed_step == "begin" else None
             if bad is not None:             # the server's limit: no claim, no handler
                 return self._reply(start_response, *bad)
-            log.warning("idempotency store unavailable for key %r: %s", key, result.error)
             return self._reply(start_response, *s.unavailable())
         if result.failed_step == "handler" and not isinstance(result.error, NotStored):
             raise result.error
