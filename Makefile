@@ -14,7 +14,7 @@ DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql sql/idem--1.1--1.2.sql sql/idem-
 	sql/idem--1.3--1.4.sql sql/idem--1.4--1.5.sql sql/idem--1.5--1.6.sql sql/idem--1.6--1.7.sql sql/idem--1.7.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
-REGRESS = setup begin fingerprint complete lease release_extend savepoint statement purge tombstone bad_input \
+REGRESS = setup begin fingerprint complete lease release_extend savepoint statement purge tombstone batch bad_input \
 	settings go_scenarios interface inspect operator recovery storage shape wait_for security amcheck role_quoting upgrade
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check --inputdir=test \
 	--outputdir=test/output/regress

@@ -106,9 +106,8 @@ batch_array(FunctionCallInfo fcinfo, int argno, const char *name,
 	if (arr->nitems > idem_max_batch)
 		ereport(ERROR,
 				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("too many items in one batch"),
-				 errdetail("%s has %d items; idem.max_batch is %d.",
-						   name, arr->nitems, idem_max_batch),
+				 errmsg("%s has %d items, more than idem.max_batch (%d)",
+						name, arr->nitems, idem_max_batch),
 				 errhint("Split the batch, or raise idem.max_batch (a superuser setting).")));
 	get_typlenbyvalalign(elemtype, &elmlen, &elmbyval, &elmalign);
 	deconstruct_array(array, elemtype, elmlen, elmbyval, elmalign,
