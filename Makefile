@@ -21,7 +21,8 @@ REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check --inputdir
 
 ISOLATION = claim_concurrent lease_takeover conflict savepoint purge_reclaim \
 	two_keys eight_claimers isolation_levels waiter_locks holder_snapshots reinstall \
-	role_claims update_13 update_15 storage_door wait_for recovery_points tombstone_purge
+	role_claims update_13 update_15 storage_door wait_for recovery_points tombstone_purge \
+	batch_order batch_duplicate batch_single holder_reentry
 ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 	--inputdir=test/isolation --outputdir=test/output/isolation \
 	--load-extension=idem
