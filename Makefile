@@ -8,20 +8,21 @@
 
 EXTENSION = idem
 MODULE_big = idem
-OBJS = src/init.o src/settings.o src/args.o src/keyrel.o src/keyrows.o src/keys.o src/purge.o src/expiry.o src/sha256.o \
+OBJS = src/init.o src/settings.o src/args.o src/keyrel.o src/keyrows.o src/keys.o src/batch.o src/purge.o src/expiry.o src/sha256.o \
 	src/stats.o src/waits.o src/worker.o src/inspect.o src/control.o src/citus.o
 DATA = sql/idem--1.0.sql sql/idem--1.0--1.1.sql sql/idem--1.1--1.2.sql sql/idem--1.2--1.3.sql \
-	sql/idem--1.3--1.4.sql sql/idem--1.4--1.5.sql sql/idem--1.5--1.6.sql sql/idem--1.6.sql
+	sql/idem--1.3--1.4.sql sql/idem--1.4--1.5.sql sql/idem--1.5--1.6.sql sql/idem--1.6--1.7.sql sql/idem--1.7.sql
 PGFILEDESC = "idem - idempotency keys with a dedup window"
 
-REGRESS = setup begin fingerprint complete lease release_extend savepoint statement purge tombstone bad_input \
+REGRESS = setup begin fingerprint complete lease release_extend savepoint statement purge tombstone batch bad_input \
 	settings go_scenarios interface inspect operator recovery storage shape wait_for security amcheck role_quoting upgrade
 REGRESS_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check --inputdir=test \
 	--outputdir=test/output/regress
 
 ISOLATION = claim_concurrent lease_takeover conflict savepoint purge_reclaim \
 	two_keys eight_claimers isolation_levels waiter_locks holder_snapshots reinstall \
-	role_claims update_13 update_15 storage_door wait_for recovery_points tombstone_purge
+	role_claims update_13 update_15 storage_door wait_for recovery_points tombstone_purge \
+	batch_order batch_duplicate batch_single holder_reentry
 ISOLATION_OPTS = --temp-config=test/idem.conf --temp-instance=tmp_check_iso \
 	--inputdir=test/isolation --outputdir=test/output/isolation \
 	--load-extension=idem

@@ -34,9 +34,11 @@
  * first eight, and its claims are bound to no role), phase and phase_data
  * by the update to 1.4 (a table of 1.3 has nine, and no recovery points),
  * remember_until by the update to 1.6 (a table of 1.5 has eleven, and no
- * tombstones).
+ * tombstones), holder by the update to 1.7 (a table of 1.6 has twelve, and
+ * no re-entrant holders).
  */
-#define Natts_keys				12
+#define Natts_keys				13
+#define Natts_keys_1_6			12
 #define Natts_keys_1_5			11
 #define Natts_keys_1_3			9
 #define Natts_keys_1_2			8
@@ -52,6 +54,7 @@
 #define Anum_keys_phase			10
 #define Anum_keys_phase_data	11
 #define Anum_keys_remember_until 12
+#define Anum_keys_holder		13
 
 /* Length of the stored fingerprint digest (SHA-256). */
 #define IDEM_FINGERPRINT_LEN	32

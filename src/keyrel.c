@@ -82,7 +82,7 @@
  * The columns of idem.keys, as sql/idem--1.0.sql creates them, the update
  * to 1.3 adds claimed_by (a role's OID) and the update to 1.4 makes it the
  * role's name and adds phase and phase_data; the update to 1.6 adds
- * remember_until.
+ * remember_until, the update to 1.7 holder.
  */
 static const struct
 {
@@ -103,6 +103,7 @@ static const struct
 	{"phase", TEXTOID, TEXTOID, false},
 	{"phase_data", BYTEAOID, BYTEAOID, false},
 	{"remember_until", TIMESTAMPTZOID, TIMESTAMPTZOID, false},
+	{"holder", TEXTOID, TEXTOID, false},
 };
 
 /* Identity of the table, cached until an invalidation touches it. */
@@ -412,7 +413,8 @@ check_shape(Relation rel, KeyShape *shape)
 	if (rel->rd_rel->relispartition)
 		refuse_shape(errmsg("idem cannot use table idem.keys: it is a partition of another table"),
 					 errdetail("idem does not check partition constraints."));
-	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_5 &&
+	if (desc->natts != Natts_keys && desc->natts != Natts_keys_1_6 &&
+		desc->natts != Natts_keys_1_5 &&
 		desc->natts != Natts_keys_1_3 && desc->natts != Natts_keys_1_2)
 		refuse_shape(errmsg("idem cannot use table idem.keys: its columns were changed"),
 					 errdetail("It has %d columns; idem expects %d.",

@@ -141,6 +141,9 @@ set_row(KeyRow *row, TupleTableSlot *slot, MemoryContext body_cxt)
 		row->remember_until =
 			DatumGetTimestampTz(values[Anum_keys_remember_until - 1]);
 	}
+	if (slot->tts_tupleDescriptor->natts >= Anum_keys_holder &&
+		!nulls[Anum_keys_holder - 1])
+		row->holder = DatumGetTextPCopy(values[Anum_keys_holder - 1]);
 	{
 		bool		should_free;
 		HeapTuple	tuple = ExecFetchSlotHeapTuple(slot, false, &should_free);
@@ -428,6 +431,13 @@ form_row(KeyTable *kt, KeyValues *kv, ItemPointer old)
 	}
 	values[Anum_keys_remember_until - 1] = TimestampTzGetDatum(kv->remember_until);
 	nulls[Anum_keys_remember_until - 1] = !kv->has_remember;
+	values[Anum_keys_holder - 1] = PointerGetDatum(kv->holder);
+	nulls[Anum_keys_holder - 1] = (kv->holder == NULL);
+	if (old != NULL && kv->holder_as_stored && desc->natts >= Anum_keys_holder)
+	{
+		values[Anum_keys_holder - 1] = kt->slot->tts_values[Anum_keys_holder - 1];
+		nulls[Anum_keys_holder - 1] = kt->slot->tts_isnull[Anum_keys_holder - 1];
+	}
 	nulls[Anum_keys_claimed_by - 1] = !kv->claimed_by.bound;
 	if (old != NULL && kv->claimant_as_stored &&
 		desc->natts >= Anum_keys_claimed_by)
@@ -897,7 +907,8 @@ is_bare_tombstone(HeapTuple tuple, TupleDesc desc)
 	return heap_attisnull(tuple, Anum_keys_body, desc) &&
 		heap_attisnull(tuple, Anum_keys_claimed_by, desc) &&
 		heap_attisnull(tuple, Anum_keys_phase, desc) &&
-		heap_attisnull(tuple, Anum_keys_phase_data, desc);
+		heap_attisnull(tuple, Anum_keys_phase_data, desc) &&
+		heap_attisnull(tuple, Anum_keys_holder, desc);
 }
 
 /*

@@ -45,6 +45,7 @@
 
 #include "args.h"
 #include "idem.h"
+#include "keys.h"
 #include "keytable.h"
 #include "settings.h"
 #include "sha256.h"
@@ -58,55 +59,9 @@ PG_FUNCTION_INFO_V1(idem_extend);
 PG_FUNCTION_INFO_V1(idem_checkpoint);
 PG_FUNCTION_INFO_V1(idem_hold);
 
-typedef enum ClaimState
-{
-	CLAIM_PROCESSING,
-	CLAIM_DONE,
-	CLAIM_CONFLICT,
-	CLAIM_EXPIRED				/* a tombstone: completed, response gone */
-} ClaimState;
-
-static const char *const claim_state_names[] = {
-	"PROCESSING", "DONE", "CONFLICT", "EXPIRED"
+const char *const idem_claim_state_names[] = {
+	"PROCESSING", "DONE", "CONFLICT", "EXPIRED", "DUPLICATE"
 };
-
-/* The one row idem_begin returns; NULL fields are flagged false. */
-typedef struct ClaimResult
-{
-	bool		claimed;
-	ClaimState	state;
-	bool		has_token;
-	int64		token;
-	bool		has_response;
-	int32		status;
-	bytea	   *body;
-	bool		has_lease;
-	TimestampTz lease_until;
-	bool		has_expiry;
-	TimestampTz expires_at;
-	text	   *phase;			/* a takeover: the last recovery point */
-	bytea	   *phase_data;
-} ClaimResult;
-
-/* What a claim needs, validated. */
-typedef struct ClaimArgs
-{
-	bytea	   *fingerprint;
-	bool		wait;
-	Interval   *lease;			/* as given; NULL for the default */
-	Interval   *retention;
-	bool		has_remember;	/* remember was given (1.6 on) */
-	TimestampTz remember_until; /* of a claim made now */
-	Interval   *remember;
-	TimestampTz now;
-	TimestampTz lease_until;	/* of a claim made now */
-	TimestampTz expires_at;
-	TimestampTz wait_until;		/* wait_for: 0, or when the wait ends */
-	TimestampTz lock_wait_until;	/* lock_timeout: 0, or when it ends */
-	MemoryContext result_cxt;	/* where a replayed body is copied */
-	bool		waited;			/* the call waited, once or more */
-	instr_time	wait_time;		/* for how long in all */
-} ClaimArgs;
 
 /* What decide() found out about a key's row. */
 typedef enum Decision
@@ -175,8 +130,8 @@ holds_claim(KeyRow *row)
 }
 
 /* SHA-256 of the caller's fingerprint text, as a bytea. */
-static bytea *
-fingerprint_digest(text *fingerprint)
+bytea *
+idem_fingerprint_digest(text *fingerprint)
 {
 	bytea	   *digest = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
 
@@ -184,6 +139,26 @@ fingerprint_digest(text *fingerprint)
 				VARSIZE_ANY_EXHDR(fingerprint), (uint8 *) VARDATA(digest));
 	SET_VARSIZE(digest, VARHDRSZ + IDEM_FINGERPRINT_LEN);
 	return digest;
+}
+
+/* Are two fingerprint digests the same? */
+bool
+idem_same_digest(bytea *a, bytea *b)
+{
+	return memcmp(VARDATA(a), VARDATA(b), IDEM_FINGERPRINT_LEN) == 0;
+}
+
+/*
+ * Was the row claimed by this holder: both given (a claim made before 1.7
+ * or without holder has none), and byte for byte the same?
+ */
+static bool
+same_holder(KeyRow *row, text *holder)
+{
+	return holder != NULL && row->holder != NULL &&
+		VARSIZE_ANY_EXHDR(holder) == VARSIZE_ANY_EXHDR(row->holder) &&
+		memcmp(VARDATA_ANY(holder), VARDATA_ANY(row->holder),
+			   VARSIZE_ANY_EXHDR(holder)) == 0;
 }
 
 /* Was the row claimed with this fingerprint digest? */
@@ -236,6 +211,7 @@ claim_values(KeyValues *kv, ClaimArgs *args, TimestampTz expires_at)
 	kv->expires_at = expires_at;
 	kv->has_remember = args->has_remember;
 	kv->remember_until = args->remember_until;
+	kv->holder = args->holder;
 	idem_keytable_current_claimant(&kv->claimed_by);
 }
 
@@ -290,7 +266,15 @@ decide(ClaimArgs *args, KeyRow *row, ClaimResult *res)
 		return DECISION_ANSWERED;
 	}
 	if (row->has_lease && args->now < row->lease_until)
+	{
+		/*
+		 * The same holder again, while its lease is live: the attempt that
+		 * made the claim is dead (replayed or restarted), take it over.
+		 */
+		if (same_holder(row, args->holder))
+			return DECISION_CLAIM;
 		return DECISION_IN_FLIGHT;
+	}
 	return DECISION_CLAIM;		/* the holder's lease is over: take it over */
 }
 
@@ -358,6 +342,7 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 		ClaimResult *res)
 {
 	bool		takeover = row->expires_at > args->now;
+	bool		reentry = takeover && row->has_lease && args->now < row->lease_until;
 	KeyValues	kv;
 	KeyWrite	written;
 
@@ -381,7 +366,17 @@ reclaim(KeyTable *kt, ClaimArgs *args, KeyRow *row, bool wait,
 			idem_keytable_read_phase(kt, row, args->result_cxt,
 									 &res->phase, &res->phase_data);
 		idem_stats_count(takeover ? IDEM_STAT_TAKEOVERS : IDEM_STAT_CLAIMS);
-		if (takeover && idem_log_takeovers)
+		if (reentry && idem_log_takeovers)
+			ereport(LOG,
+					(errmsg("idempotency key \"%s\" in scope \"%s\" taken over by its holder \"%s\"",
+							idem_key_for_message(kt->key),
+							idem_key_for_message(kt->scope),
+							idem_key_for_message(args->holder)),
+					 errdetail("Token %lld, whose lease ends at %s, is superseded by token %lld of the same holder.",
+							   (long long) row->token,
+							   timestamptz_to_str(row->lease_until),
+							   (long long) kv.token)));
+		else if (takeover && idem_log_takeovers)
 			ereport(LOG,
 					(errmsg("idempotency key \"%s\" in scope \"%s\" taken over after its lease ended",
 							idem_key_for_message(kt->key),
@@ -724,8 +719,126 @@ begin_result_put(Tuplestorestate *store, TupleDesc desc, Datum *values, bool *nu
 }
 
 /*
- * idem_begin(key, fingerprint, lease, retention, scope, wait): claim a key,
- * replay its stored response, or report it in flight or in conflict.
+ * The options of a claim, arguments 2 to 8 of idem_begin and of
+ * idem_begin_many (lease, retention, scope, wait, wait_for, remember,
+ * holder), checked: everything but the key and its fingerprint.  Older
+ * versions declare fewer arguments.
+ */
+void
+idem_claim_args(FunctionCallInfo fcinfo, const char *what, ClaimArgs *args)
+{
+	memset(args, 0, sizeof(ClaimArgs));
+	args->what = what;
+	if (PG_ARGISNULL(5))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("wait must not be null")));
+	args->wait = PG_GETARG_BOOL(5);
+	args->lease = interval_arg(fcinfo, 2);
+	args->retention = interval_arg(fcinfo, 3);
+	/* remember, the eighth argument from 1.6 on */
+	args->has_remember = PG_NARGS() > 7 && !PG_ARGISNULL(7);
+	args->remember = args->has_remember ? PG_GETARG_INTERVAL_P(7) : NULL;
+	args->remember_until = 0;
+	/* holder, the ninth from 1.7 on */
+	args->holder = (PG_NARGS() > 8 && !PG_ARGISNULL(8)) ?
+		PG_GETARG_TEXT_PP(8) : NULL;
+	if (args->holder != NULL)
+		idem_check_key(args->holder, "holder", false);
+	claim_args_now(args);
+	if (args->lease_until > args->expires_at)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("lease must not be longer than retention"),
+				 errdetail("The lease is %s; the retention is %s.",
+						   idem_window_text(args->lease, idem_default_lease, "lease"),
+						   idem_window_text(args->retention, idem_default_retention,
+											"retention")),
+				 errhint("Pass a shorter lease or a longer retention.")));
+	if (args->has_remember && args->remember_until < args->expires_at)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("remember must not be shorter than retention"),
+				 errdetail("remember is %s; the retention is %s.",
+						   idem_window_text(args->remember, 0, "remember"),
+						   idem_window_text(args->retention, idem_default_retention,
+											"retention")),
+				 errhint("Pass a longer remember, or none.")));
+	/* wait_for, the seventh argument of the 1.4 overload */
+	args->wait_until = 0;
+	args->lock_wait_until = 0;
+	if (PG_NARGS() > 6 && !PG_ARGISNULL(6))
+	{
+		Interval   *wait_for = PG_GETARG_INTERVAL_P(6);
+
+		if (wait_for->month != 0 || wait_for->day != 0 || wait_for->time != 0)
+		{
+			if (!args->wait)
+				ereport(ERROR,
+						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+						 errmsg("wait_for needs wait => true")));
+			args->wait_until = idem_window_end(args->now, wait_for, 0, "wait_for");
+			if (LockTimeout > 0)
+				args->lock_wait_until = args->now + (int64) LockTimeout * 1000;
+		}
+	}
+	args->result_cxt = CurrentMemoryContext;
+}
+
+/*
+ * Claim one key with args (its fingerprint in args->fingerprint), or find
+ * out why not, into *res: idem_begin's work for a key, which
+ * idem_begin_many does for each of its items.  A claim after an earlier
+ * key's wait is made with the clock read again.
+ */
+void
+idem_begin_key(ClaimArgs *args, text *scope, text *key, ClaimResult *res)
+{
+	KeyTable	kt;
+	instr_time	started;
+
+	idem_stats_start(&started);
+	if (args->waited)
+		claim_args_now(args);
+	args->waited = false;
+	INSTR_TIME_SET_ZERO(args->wait_time);
+	memset(res, 0, sizeof(ClaimResult));
+	idem_keytable_open(&kt, args->what, scope, key, idem_keytable_write_lockmode());
+	/* A table without remember_until would forget the tombstone. */
+	if (unlikely(args->has_remember &&
+				 RelationGetDescr(kt.rel)->natts < Anum_keys_remember_until))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s cannot remember a key in table \"%s\": it has the layout of idem 1.5 or earlier",
+						args->what, RelationGetRelationName(kt.rel)),
+				 errdetail("The table has no remember_until column, which the update to 1.6 adds."),
+				 errhint("Run ALTER EXTENSION idem UPDATE; under Citus, on the coordinator, so that every shard is updated.")));
+	/* ... and one without holder, the claim's holder. */
+	if (unlikely(args->holder != NULL &&
+				 RelationGetDescr(kt.rel)->natts < Anum_keys_holder))
+		ereport(ERROR,
+				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
+				 errmsg("%s cannot record a holder in table \"%s\": it has the layout of idem 1.6 or earlier",
+						args->what, RelationGetRelationName(kt.rel)),
+				 errdetail("The table has no holder column, which the update to 1.7 adds."),
+				 errhint("Run ALTER EXTENSION idem UPDATE; under Citus, on the coordinator, so that every shard is updated.")));
+	if (args->wait_until != 0)
+		idem_waits_prepare(scope, key);
+	claim_key(&kt, args, res);
+	if (args->wait_until != 0)
+		idem_waits_done();
+	idem_keytable_close(&kt);
+	count_waits(args);
+	if (res->claimed)
+		idem_stats_add_time(IDEM_STAT_CLAIM_USECS, &started);
+	else if (res->state == CLAIM_DONE)
+		idem_stats_add_time(IDEM_STAT_REPLAY_USECS, &started);
+}
+
+/*
+ * idem_begin(key, fingerprint, lease, retention, scope, wait, wait_for,
+ * remember, holder): claim a key, replay its stored response, or report it
+ * in flight or in conflict.
  */
 Datum
 idem_begin(PG_FUNCTION_ARGS)
@@ -735,95 +848,22 @@ idem_begin(PG_FUNCTION_ARGS)
 	text	   *scope = scope_arg(fcinfo, 4);
 	ClaimArgs	args;
 	ClaimResult res;
-	KeyTable	kt;
 	Tuplestorestate *store;
 	Datum		values[BEGIN_RESULT_COLUMNS];
 	bool		nulls[BEGIN_RESULT_COLUMNS];
-	instr_time	started;
+	bytea	   *fingerprint;
 
-	idem_stats_start(&started);
-	args.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
-	if (PG_ARGISNULL(5))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("wait must not be null")));
-	args.wait = PG_GETARG_BOOL(5);
-	args.lease = interval_arg(fcinfo, 2);
-	args.retention = interval_arg(fcinfo, 3);
-	/* remember, the eighth argument from 1.6 on */
-	args.has_remember = PG_NARGS() > 7 && !PG_ARGISNULL(7);
-	args.remember = args.has_remember ? PG_GETARG_INTERVAL_P(7) : NULL;
-	args.remember_until = 0;
-	claim_args_now(&args);
-	if (args.lease_until > args.expires_at)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("lease must not be longer than retention"),
-				 errdetail("The lease is %s; the retention is %s.",
-						   idem_window_text(args.lease, idem_default_lease, "lease"),
-						   idem_window_text(args.retention, idem_default_retention,
-											"retention")),
-				 errhint("Pass a shorter lease or a longer retention.")));
-	if (args.has_remember && args.remember_until < args.expires_at)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("remember must not be shorter than retention"),
-				 errdetail("remember is %s; the retention is %s.",
-						   idem_window_text(args.remember, 0, "remember"),
-						   idem_window_text(args.retention, idem_default_retention,
-											"retention")),
-				 errhint("Pass a longer remember, or none.")));
-	/* wait_for, the seventh argument of the 1.4 overload */
-	args.wait_until = 0;
-	args.lock_wait_until = 0;
-	if (PG_NARGS() > 6 && !PG_ARGISNULL(6))
-	{
-		Interval   *wait_for = PG_GETARG_INTERVAL_P(6);
-
-		if (wait_for->month != 0 || wait_for->day != 0 || wait_for->time != 0)
-		{
-			if (!args.wait)
-				ereport(ERROR,
-						(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-						 errmsg("wait_for needs wait => true")));
-			args.wait_until = idem_window_end(args.now, wait_for, 0, "wait_for");
-			if (LockTimeout > 0)
-				args.lock_wait_until = args.now + (int64) LockTimeout * 1000;
-		}
-	}
-	args.result_cxt = CurrentMemoryContext;
-	args.waited = false;
-	INSTR_TIME_SET_ZERO(args.wait_time);
+	fingerprint = idem_fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
+	idem_claim_args(fcinfo, "idem_begin()", &args);
+	args.fingerprint = fingerprint;
 
 	store = begin_result_store(fcinfo);
-
-	memset(&res, 0, sizeof(res));
-	idem_keytable_open(&kt, "idem_begin()", scope, key, idem_keytable_write_lockmode());
-	/* A table without remember_until would forget the tombstone. */
-	if (unlikely(args.has_remember &&
-				 RelationGetDescr(kt.rel)->natts < Anum_keys_remember_until))
-		ereport(ERROR,
-				(errcode(ERRCODE_OBJECT_NOT_IN_PREREQUISITE_STATE),
-				 errmsg("idem_begin() cannot remember a key in table \"%s\": it has the layout of idem 1.5 or earlier",
-						RelationGetRelationName(kt.rel)),
-				 errdetail("The table has no remember_until column, which the update to 1.6 adds."),
-				 errhint("Run ALTER EXTENSION idem UPDATE; under Citus, on the coordinator, so that every shard is updated.")));
-	if (args.wait_until != 0)
-		idem_waits_prepare(scope, key);
-	claim_key(&kt, &args, &res);
-	if (args.wait_until != 0)
-		idem_waits_done();
-	idem_keytable_close(&kt);
-	count_waits(&args);
-	if (res.claimed)
-		idem_stats_add_time(IDEM_STAT_CLAIM_USECS, &started);
-	else if (res.state == CLAIM_DONE)
-		idem_stats_add_time(IDEM_STAT_REPLAY_USECS, &started);
+	idem_begin_key(&args, scope, key, &res);
 
 	memset(nulls, true, sizeof(nulls));
 	values[0] = BoolGetDatum(res.claimed);
 	nulls[0] = false;
-	values[1] = CStringGetTextDatum(claim_state_names[res.state]);
+	values[1] = CStringGetTextDatum(idem_claim_state_names[res.state]);
 	nulls[1] = false;
 	if (res.has_token)
 	{
@@ -1103,6 +1143,7 @@ held_values(const HeldCall *hc, KeyRow *row, KeyValues *kv)
 	kv->claimant_as_stored = true;
 	kv->has_remember = row->has_remember;
 	kv->remember_until = row->remember_until;
+	kv->holder_as_stored = true;
 	/* A completion drops the recovery point; a checkpoint replaces it. */
 	kv->phase_as_stored = (hc->op == HELD_EXTEND);
 	if (hc->op == HELD_CHECKPOINT)
@@ -1269,38 +1310,37 @@ not_stored_body(bool envelope)
 }
 
 /*
- * idem_complete(key, fingerprint, status, body, token, retention, scope):
- * store the response of a claim.  Without retention the key keeps the
- * window its claim was given.  Returns the new expires_at.
- *
- * A body larger than idem.max_body_size is not an error: the work it
- * answers has been done, and a retry must not do it again.  The fixed
- * answer of not_stored_body() is stored instead, with a WARNING.
+ * Store the response of a key's claim, as idem_complete does (see there),
+ * and return the key's new expires_at: idem_complete's work for a key,
+ * which idem_complete_many does for each of its items.  status is checked
+ * by the caller.
  */
-Datum
-idem_complete(PG_FUNCTION_ARGS)
+TimestampTz
+idem_complete_key(text *key, text *scope, bytea *fingerprint, int32 status,
+				  bytea *body, bool has_token, int64 token, bool has_expiry,
+				  TimestampTz expires_at)
 {
 	HeldCall	hc;
 	KeyValues	kv;
-	Interval   *retention;
 	Size		size = 0;
 	bool		envelope = false;
 	bool		not_stored = false;
 	instr_time	started;
 
 	idem_stats_start(&started);
-	held_call_init(&hc, HELD_COMPLETE, "idem_complete()", fcinfo, 4, 6);
-	hc.fingerprint = fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
-	hc.body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
-	if (PG_ARGISNULL(2))
-		ereport(ERROR,
-				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
-				 errmsg("status must not be null")));
-	hc.status = PG_GETARG_INT32(2);
-	if (hc.status < 0)
-		ereport(ERROR,
-				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
-				 errmsg("status must not be negative")));
+	memset(&hc, 0, sizeof(HeldCall));
+	hc.op = HELD_COMPLETE;
+	hc.what = "idem_complete()";
+	hc.key = key;
+	hc.scope = scope;
+	hc.has_token = has_token;
+	hc.token = token;
+	hc.now = idem_now();
+	hc.fingerprint = fingerprint;
+	hc.status = status;
+	hc.body = body;
+	hc.has_expiry = has_expiry;
+	hc.expires_at = expires_at;
 	if (hc.body != NULL)
 	{
 		size = response_size(hc.body, &envelope);
@@ -1310,12 +1350,6 @@ idem_complete(PG_FUNCTION_ARGS)
 			hc.body = not_stored_body(envelope);
 			not_stored = true;
 		}
-	}
-	retention = interval_arg(fcinfo, 5);
-	if (retention != NULL)
-	{
-		hc.has_expiry = true;
-		hc.expires_at = idem_window_end(hc.now, retention, 0, "retention");
 	}
 
 	write_held_row(&hc, &kv);
@@ -1336,7 +1370,52 @@ idem_complete(PG_FUNCTION_ARGS)
 						   size, idem_max_body_size),
 				 errhint("Status 500 \"Response not stored\" is stored instead and replayed to retries.")));
 	}
-	PG_RETURN_TIMESTAMPTZ(kv.expires_at);
+	return kv.expires_at;
+}
+
+/*
+ * idem_complete(key, fingerprint, status, body, token, retention, scope):
+ * store the response of a claim.  Without retention the key keeps the
+ * window its claim was given.  Returns the new expires_at.
+ *
+ * A body larger than idem.max_body_size is not an error: the work it
+ * answers has been done, and a retry must not do it again.  The fixed
+ * answer of not_stored_body() is stored instead, with a WARNING.
+ */
+Datum
+idem_complete(PG_FUNCTION_ARGS)
+{
+	text	   *key = key_arg(fcinfo, 0);
+	text	   *scope = scope_arg(fcinfo, 6);
+	bool		has_token = !PG_ARGISNULL(4);
+	int64		token = has_token ? PG_GETARG_INT64(4) : 0;
+	bytea	   *fingerprint;
+	bytea	   *body;
+	int32		status;
+	Interval   *retention;
+	bool		has_expiry = false;
+	TimestampTz expires_at = 0;
+
+	fingerprint = idem_fingerprint_digest(idem_arg_text(fcinfo, 1, "fingerprint"));
+	body = PG_ARGISNULL(3) ? NULL : PG_GETARG_BYTEA_PP(3);
+	if (PG_ARGISNULL(2))
+		ereport(ERROR,
+				(errcode(ERRCODE_NULL_VALUE_NOT_ALLOWED),
+				 errmsg("status must not be null")));
+	status = PG_GETARG_INT32(2);
+	if (status < 0)
+		ereport(ERROR,
+				(errcode(ERRCODE_INVALID_PARAMETER_VALUE),
+				 errmsg("status must not be negative")));
+	retention = interval_arg(fcinfo, 5);
+	if (retention != NULL)
+	{
+		has_expiry = true;
+		expires_at = idem_window_end(idem_now(), retention, 0, "retention");
+	}
+	PG_RETURN_TIMESTAMPTZ(idem_complete_key(key, scope, fingerprint, status,
+											body, has_token, token,
+											has_expiry, expires_at));
 }
 
 /*

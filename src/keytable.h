@@ -50,6 +50,7 @@ typedef struct KeyRow
 	KeyClaimant claimed_by;		/* the role that made the claim */
 	bool		has_remember;	/* remember_until is set (1.6 on) */
 	TimestampTz remember_until; /* a completed key is remembered until then */
+	text	   *holder;			/* the claim's holder identity (1.7 on), or NULL */
 	TransactionId xmin;
 	ItemPointerData tid;
 } KeyRow;
@@ -133,6 +134,8 @@ typedef struct KeyValues
 	bytea	   *phase_data;
 	bool		has_remember;	/* remember_until is set */
 	TimestampTz remember_until;
+	text	   *holder;			/* NULL for none */
+	bool		holder_as_stored;	/* an update keeps the stored holder */
 } KeyValues;
 
 /*

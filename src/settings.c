@@ -25,6 +25,7 @@ int			idem_default_retention = SECS_PER_DAY;
 int			idem_max_retention = SECS_PER_30_DAYS;
 int			idem_max_key_length = 255;
 int			idem_max_body_size = 1024 * 1024;
+int			idem_max_batch = 10000;
 int			idem_clock_offset = 0;
 int			idem_purge_batch_size = 10000;
 int			idem_purge_naptime = 10;
@@ -71,6 +72,13 @@ idem_define_settings(void)
 							&idem_max_body_size,
 							1024 * 1024, 0, MaxAllocSize,
 							PGC_SUSET, GUC_UNIT_BYTE,
+							NULL, NULL, NULL);
+	DefineCustomIntVariable("idem.max_batch",
+							"Most items idem_begin_many and idem_complete_many take in one call.",
+							NULL,
+							&idem_max_batch,
+							10000, 1, 1000000,
+							PGC_SUSET, 0,
 							NULL, NULL, NULL);
 	DefineCustomIntVariable("idem.clock_offset",
 							"Added to the server clock for every lease and retention decision.",

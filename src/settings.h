@@ -15,6 +15,7 @@ extern int	idem_default_retention;
 extern int	idem_max_retention;
 extern int	idem_max_key_length;
 extern int	idem_max_body_size;
+extern int	idem_max_batch;
 extern int	idem_clock_offset;
 extern int	idem_purge_batch_size;
 extern int	idem_purge_naptime;

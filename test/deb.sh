@@ -433,7 +433,7 @@ r2 = guard.do("deb-secure", "sku=A", order)
 print(r1.outcome.value, r2.outcome.value, "calls=%d" % len(calls), r2.response.body.decode())
 EOF
 	cat >"$root/build/secure_grant.sql" <<'EOF'
-SELECT has_function_privilege('app', 'idem_api.idem_begin(text, text, interval, interval, text, boolean, interval, interval)', 'EXECUTE');
+SELECT has_function_privilege('app', 'idem_api.idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)', 'EXECUTE');
 EOF
 	got=$(as_idemtest "
 		psql -h $sock -d postgres -X -q -v ON_ERROR_STOP=1 -c 'CREATE ROLE app LOGIN' -c 'CREATE DATABASE app'

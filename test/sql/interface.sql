@@ -35,8 +35,10 @@ SELECT p AS privilege, has_table_privilege('regress_idem_app', 'idem.keys', p) A
 SELECT p AS privilege, has_sequence_privilege('regress_idem_app', 'idem.token_seq', p) AS granted
   FROM unnest(ARRAY['USAGE', 'SELECT', 'UPDATE']) p;
 SELECT f AS function, has_function_privilege('regress_idem_app', f, 'EXECUTE') AS execute
-  FROM unnest(ARRAY['idem_begin(text,text,interval,interval,text,boolean,interval,interval)',
+  FROM unnest(ARRAY['idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)',
                     'idem_complete(text,text,integer,bytea,bigint,interval,text)',
+                    'idem_begin_many(text[],text[],interval,interval,text,boolean,interval,interval,text)',
+                    'idem_complete_many(text[],text[],integer[],bytea[],bigint[],interval,text)',
                     'idem_release(text,bigint,text)',
                     'idem_extend(text,bigint,interval,text)',
                     'idem_purge(integer)',
@@ -51,7 +53,7 @@ SELECT v AS view, has_table_privilege('regress_idem_app', v, 'SELECT') AS "selec
 -- no grant on idem.keys, claims and completes keys through the functions,
 -- but cannot read or write the table itself.
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_complete(text, text, integer, bytea, bigint, interval, text),
   idem_release(text, bigint, text),
   idem_extend(text, bigint, interval, text)

@@ -147,7 +147,7 @@ SELECT (SELECT count(*) FROM regress_hostile.keys) AS hostile_keys,
 -- The hostile role itself, with EXECUTE granted and its schema first on
 -- its own search_path: the same.
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_complete(text, text, integer, bytea, bigint, interval, text)
   TO regress_idem_hostile;
 SET ROLE regress_idem_hostile;
@@ -200,14 +200,14 @@ CREATE ROLE regress_idem_sec_sub;
 CREATE ROLE regress_idem_sec_ops;
 CREATE ROLE regress_idem_sec_none;
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_complete(text, text, integer, bytea, bigint, interval, text),
   idem_release(text, bigint, text),
   idem_extend(text, bigint, interval, text)
   TO regress_idem_sec_app WITH GRANT OPTION;
 SET ROLE regress_idem_sec_app;
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_complete(text, text, integer, bytea, bigint, interval, text)
   TO regress_idem_sec_sub;
 -- It cannot pass on what it was not granted.
@@ -292,7 +292,7 @@ SELECT r AS role, f AS function,
        has_function_privilege(r, f, 'EXECUTE') AS execute,
        has_function_privilege(r, f, 'EXECUTE WITH GRANT OPTION') AS grantable
   FROM unnest(ARRAY['regress_idem_sec_app', 'regress_idem_sec_sub']) r,
-       unnest(ARRAY['idem_begin(text,text,interval,interval,text,boolean,interval,interval)',
+       unnest(ARRAY['idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)',
                     'idem_release(text,bigint,text)',
                     'idem_purge(integer)']) f
  ORDER BY 1, 2;
@@ -324,7 +324,7 @@ CREATE ROLE regress_idem_tenant_b;
 CREATE ROLE regress_idem_tenant_a_worker IN ROLE regress_idem_tenant_a;
 CREATE ROLE regress_idem_tenant_a_noinherit NOINHERIT IN ROLE regress_idem_tenant_a;
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_complete(text, text, integer, bytea, bigint, interval, text),
   idem_release(text, bigint, text),
   idem_extend(text, bigint, interval, text)

@@ -47,12 +47,12 @@ BEGIN ISOLATION LEVEL SERIALIZABLE;
 SELECT claimed, state, status, body FROM idem_begin('t-done', 'fp');
 COMMIT;
 CREATE ROLE regress_idem_tomb;
-GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   TO regress_idem_tomb;
 SET ROLE regress_idem_tomb;
 SELECT claimed, state, status, body FROM idem_begin('t-done', 'fp');
 RESET ROLE;
-REVOKE ALL ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+REVOKE ALL ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   FROM regress_idem_tomb;
 DROP ROLE regress_idem_tomb;
 SELECT state, status, body_size FROM idem_lookup('t-done');

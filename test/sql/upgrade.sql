@@ -151,7 +151,7 @@ RESET ROLE;
 -- the grant made before the update is not an initial one, so a dump keeps
 -- it.
 SELECT object, acl, init_acl FROM ext_objects() WHERE object LIKE 'function idem_begin(%';
-REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+REVOKE EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   FROM regress_idem_upgrade_app;
 SELECT object, acl, init_acl FROM ext_objects() WHERE acl IS NOT NULL;
 
@@ -190,8 +190,9 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_sequence_privilege('regress_idem_reporting', 'idem.token_seq', 'SELECT') AS seq_select,
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select,
        has_function_privilege('regress_idem_reporting',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE') AS may_begin,
-       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)', 'EXECUTE') AS may_begin,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_many_result', 'USAGE') AS many_type_usage;
 SELECT md5(string_agg(concat_ws(' / ', object, acl, init_acl, definition), E'\n')) = :'fresh'
        AS same_as_fresh
   FROM ext_objects();
@@ -213,8 +214,9 @@ SELECT has_schema_privilege('regress_idem_reporting', 'idem', 'USAGE') AS schema
        has_table_privilege('regress_idem_reporting', 'idem_keys', 'SELECT') AS view_select_kept,
        has_table_privilege('regress_idem_reporting', 'idem_waits', 'SELECT') AS new_view_select,
        has_function_privilege('regress_idem_upgrade_app',
-                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE') AS app_grant_kept,
-       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage;
+                              'idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)', 'EXECUTE') AS app_grant_kept,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_result', 'USAGE') AS result_type_usage,
+       has_type_privilege('regress_idem_reporting', 'idem.begin_many_result', 'USAGE') AS many_type_usage;
 SELECT indexdef FROM pg_indexes WHERE schemaname = 'idem' AND tablename = 'keys';
 
 -- An update from 1.2: idem_stats() gains purge_start_failures, so it and
@@ -408,6 +410,43 @@ SELECT state, status, remember_until FROM idem_keys WHERE key IN ('u-flight15', 
 -- New claims may be remembered.
 SELECT claimed FROM idem_begin('u16', 'fp', retention => '1 hour', remember => '2 days');
 SELECT remember_until - expires_at AS remembered_past_retention FROM idem.keys WHERE key = 'u16';
+
+-- The update to 1.7, with a claim in flight: idem.keys gains holder and
+-- idem_begin a last argument, holder.  Before it, a call with a holder
+-- that reaches a table still in the 1.6 layout (a Citus shard the update
+-- left unaltered) is refused, naming the update, and writes nothing.
+SELECT token AS tok_flight16 FROM idem_begin('u-flight16', 'fp', lease => '10 minutes') \gset
+SELECT rows_digest() AS rows16 \gset
+CREATE FUNCTION pg_temp.begin_17(text, text, interval, interval, text, boolean, interval, interval, text)
+  RETURNS SETOF idem.begin_result AS 'idem', 'idem_begin' LANGUAGE C;
+SELECT * FROM pg_temp.begin_17('u-holder16', 'fp', NULL, NULL, '', true, NULL, NULL, 'run-1');
+SELECT rows_digest() = :'rows16' AS rows_as_before;
+-- A view over idem_begin is named and nothing changes, as for 1.6.
+CREATE VIEW begin_probe AS SELECT claimed, state FROM idem_begin('probe', 'fp');
+\set SHOW_CONTEXT never
+ALTER EXTENSION idem UPDATE TO '1.7';
+\set SHOW_CONTEXT errors
+SELECT extversion FROM pg_extension WHERE extname = 'idem';
+DROP VIEW begin_probe;
+ALTER EXTENSION idem UPDATE TO '1.7';
+SELECT extversion, pg_get_function_identity_arguments('idem_begin'::regproc)
+  FROM pg_extension WHERE extname = 'idem';
+SELECT rows_digest() = :'rows16' AS rows_unchanged, count(holder) AS with_holder
+  FROM idem.keys;
+-- The grants on idem_begin are kept, on the new signature; the batch
+-- functions are the owner's alone, as in a fresh install.
+SELECT object, acl, init_acl FROM ext_objects()
+ WHERE object LIKE 'function idem_begin%' OR object LIKE 'function idem_complete_many%'
+ ORDER BY object;
+SELECT has_type_privilege('public', 'idem.begin_many_result', 'USAGE') AS public_may_use_type;
+-- The claim made under 1.6 has no holder: a caller with one finds it in
+-- flight, and its holder completes it with its token.
+SELECT claimed, state FROM idem_begin('u-flight16', 'fp', wait => false, holder => 'run-1');
+SELECT idem_complete('u-flight16', 'fp', 200, 'late', :tok_flight16) IS NOT NULL AS completed;
+-- New claims record their holder; batches work on the updated table.
+SELECT ordinality, claimed, state FROM idem_begin_many(ARRAY['u17-b', 'u17-a'], ARRAY['fp', 'fp'],
+                                                       holder => 'run-2');
+SELECT key, holder FROM idem.keys WHERE key LIKE 'u17-%' ORDER BY key;
 -- The same objects as a fresh install, grants aside.
 SELECT md5(string_agg(concat_ws(' / ', object, definition), E'\n')) AS v13_defs FROM ext_objects() \gset
 \c regress_idem_v11

@@ -38,7 +38,7 @@ COMMIT;
 
 -- An application role with EXECUTE only waits as the owner does.
 CREATE ROLE regress_idem_wf_app;
-GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   TO regress_idem_wf_app;
 SET ROLE regress_idem_wf_app;
 SELECT claimed, state, lease_until IS NOT NULL AS has_lease
@@ -46,6 +46,6 @@ SELECT claimed, state, lease_until IS NOT NULL AS has_lease
 SELECT claimed, state FROM idem_begin('wf-app', 'fp', wait_for => '1 hour');
 RESET ROLE;
 DELETE FROM idem.keys WHERE key = 'wf-app';
-REVOKE ALL ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+REVOKE ALL ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   FROM regress_idem_wf_app;
 DROP ROLE regress_idem_wf_app;

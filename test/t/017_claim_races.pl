@@ -148,7 +148,7 @@ $node->safe_psql('postgres', q{
 CREATE ROLE race_a LOGIN;
 CREATE ROLE race_b LOGIN;
 GRANT EXECUTE ON FUNCTION
-  idem_begin(text, text, interval, interval, text, boolean, interval, interval),
+  idem_begin(text, text, interval, interval, text, boolean, interval, interval, text),
   idem_release(text, bigint, text)
   TO race_a, race_b;
 CREATE TABLE rclaims (token bigint NOT NULL, role name NOT NULL);

@@ -54,7 +54,7 @@ sub session
 
 sql(q{
 CREATE ROLE wv_app LOGIN;
-GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   TO wv_app;
 CREATE ROLE wv_ops;
 CREATE ROLE wv_stats IN ROLE pg_read_all_stats;

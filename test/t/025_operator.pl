@@ -52,7 +52,7 @@ ok(log_lacks($off, qr/idem purge: deleted/), 'idem.log_purge = off: no purge lin
 
 # --- A takeover: key, scope, old and new token and roles, the lease's end.
 psql_ok(q{CREATE ROLE worker_a LOGIN; CREATE ROLE worker_b LOGIN;
-  GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval)
+  GRANT EXECUTE ON FUNCTION idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)
   TO worker_a, worker_b});
 my $t1 = $node->safe_psql('postgres',
 	q{SET ROLE worker_a; SELECT token FROM idem_begin('order-7', 'f', lease => '1 minute', scope => 'shop')});

@@ -1,11 +1,11 @@
-/* idem--1.6.sql */
+/* idem--1.7.sql */
 
 -- complain if script is sourced in psql, rather than via CREATE EXTENSION
 \echo Use "CREATE EXTENSION idem" to load this file. \quit
 
 /*
- * Version 1.6 in one script: what sql/idem--1.0.sql and the updates to
- * 1.6 make, for a fresh CREATE EXTENSION (test/sql/upgrade.sql checks that
+ * Version 1.7 in one script: what sql/idem--1.0.sql and the updates to
+ * 1.7 make, for a fresh CREATE EXTENSION (test/sql/upgrade.sql checks that
  * both give the same objects, privileges and initial privileges).
  *
  * Every name below is schema-qualified (@extschema@, idem, pg_catalog), so
@@ -28,7 +28,9 @@ CREATE SEQUENCE idem.token_seq AS pg_catalog.int8;
  * caller's text.  A row is DONE when status is set, PROCESSING otherwise.
  * claimed_by names the role that made the claim.  remember_until, if set,
  * keeps a completed key past expires_at as a tombstone (no body, no
- * recovery point, no claimant) that answers EXPIRED until then.  Keys compare bytewise
+ * recovery point, no claimant) that answers EXPIRED until then.  holder,
+ * if set, is the caller's identity of the claim (idem_begin's holder):
+ * the same holder takes a live claim over at once.  Keys compare bytewise
  * (C collation); the primary key leads with the key, so that most descent
  * steps are settled by one comparison.  The primary key is the only index,
  * and pages keep 10% free, so that storing a response (an UPDATE of
@@ -48,6 +50,7 @@ CREATE TABLE idem.keys (
 	phase		pg_catalog.text,
 	phase_data	pg_catalog.bytea,
 	remember_until pg_catalog.timestamptz,
+	holder		pg_catalog.text,
 	CONSTRAINT keys_pkey PRIMARY KEY (key, scope)
 ) WITH (fillfactor = 90);
 REVOKE ALL ON idem.keys, idem.token_seq FROM PUBLIC;
@@ -77,7 +80,10 @@ CREATE TYPE idem.begin_result AS (
  * committed and still running waits for its result, its release or the
  * end of its lease (at most wait_for) instead.  With remember, a completed
  * key is remembered past its retention, without its response, until
- * remember is over: a retry then answers EXPIRED.
+ * remember is over: a retry then answers EXPIRED.  With holder, a claim
+ * records who holds it, and a later call of the same holder (same key and
+ * fingerprint) takes it over at once, with a new token, instead of
+ * answering it in flight.
  */
 CREATE FUNCTION @extschema@.idem_begin(key pg_catalog.text, fingerprint pg_catalog.text,
 									   lease pg_catalog.interval DEFAULT NULL,
@@ -85,7 +91,8 @@ CREATE FUNCTION @extschema@.idem_begin(key pg_catalog.text, fingerprint pg_catal
 									   scope pg_catalog.text DEFAULT '',
 									   wait pg_catalog.bool DEFAULT true,
 									   wait_for pg_catalog.interval DEFAULT NULL,
-									   remember pg_catalog.interval DEFAULT NULL)
+									   remember pg_catalog.interval DEFAULT NULL,
+									   holder pg_catalog.text DEFAULT NULL)
 RETURNS SETOF idem.begin_result
 AS 'MODULE_PATHNAME', 'idem_begin'
 LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 1;
@@ -98,6 +105,52 @@ CREATE FUNCTION @extschema@.idem_complete(key pg_catalog.text, fingerprint pg_ca
 RETURNS pg_catalog.timestamptz
 AS 'MODULE_PATHNAME', 'idem_complete'
 LANGUAGE C VOLATILE PARALLEL UNSAFE;
+
+/*
+ * Batches.  idem_begin_many claims many keys of one scope in one call, in
+ * one order whatever the order of its input (the keys sorted bytewise), so
+ * that two batches never deadlock; each item answers as idem_begin would,
+ * a key repeated in the batch answers DUPLICATE (or CONFLICT for another
+ * fingerprint) and names its first occurrence.  idem_complete_many stores
+ * many responses in the same order, each as idem_complete would.
+ */
+CREATE TYPE idem.begin_many_result AS (
+	ordinality	pg_catalog.int4,
+	claimed		pg_catalog.bool,
+	state		pg_catalog.text,
+	token		pg_catalog.int8,
+	status		pg_catalog.int4,
+	body		pg_catalog.bytea,
+	lease_until	pg_catalog.timestamptz,
+	expires_at	pg_catalog.timestamptz,
+	phase		pg_catalog.text,
+	phase_data	pg_catalog.bytea,
+	duplicate_of pg_catalog.int4
+);
+
+CREATE FUNCTION @extschema@.idem_begin_many(keys pg_catalog.text[],
+											fingerprints pg_catalog.text[],
+											lease pg_catalog.interval DEFAULT NULL,
+											retention pg_catalog.interval DEFAULT NULL,
+											scope pg_catalog.text DEFAULT '',
+											wait pg_catalog.bool DEFAULT true,
+											wait_for pg_catalog.interval DEFAULT NULL,
+											remember pg_catalog.interval DEFAULT NULL,
+											holder pg_catalog.text DEFAULT NULL)
+RETURNS SETOF idem.begin_many_result
+AS 'MODULE_PATHNAME', 'idem_begin_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 100;
+
+CREATE FUNCTION @extschema@.idem_complete_many(keys pg_catalog.text[],
+											   fingerprints pg_catalog.text[],
+											   statuses pg_catalog.int4[],
+											   bodies pg_catalog.bytea[],
+											   tokens pg_catalog.int8[] DEFAULT NULL,
+											   retention pg_catalog.interval DEFAULT NULL,
+											   scope pg_catalog.text DEFAULT '')
+RETURNS TABLE (ordinality pg_catalog.int4, expires_at pg_catalog.timestamptz)
+AS 'MODULE_PATHNAME', 'idem_complete_many'
+LANGUAGE C VOLATILE PARALLEL UNSAFE ROWS 100;
 
 CREATE FUNCTION @extschema@.idem_release(key pg_catalog.text, token pg_catalog.int8,
 										 scope pg_catalog.text DEFAULT '')
@@ -290,7 +343,7 @@ SET search_path = pg_catalog
 AS $$
 	SELECT f.signature::pg_catalog.regprocedure, f.key_arg, f.scope_arg
 	  FROM (VALUES
-		('@extschema@.idem_begin(text, text, interval, interval, text, boolean, interval, interval)', 1, 5),
+		('@extschema@.idem_begin(text, text, interval, interval, text, boolean, interval, interval, text)', 1, 5),
 		('@extschema@.idem_complete(text, text, integer, bytea, bigint, interval, text)', 1, 7),
 		('@extschema@.idem_release(text, bigint, text)', 1, 3),
 		('@extschema@.idem_extend(text, bigint, interval, text)', 1, 4),
@@ -370,7 +423,7 @@ $$;
 /*
  * Privileges.  PUBLIC may call no function and read no view.  The
  * extension owner grants EXECUTE on idem_begin, idem_complete,
- * idem_release and idem_extend to application roles (doc/security.md);
+ * idem_release, idem_extend and the batch functions to application roles (doc/security.md);
  * purge, lookup, statistics, waits and the views are for the owner and
  * the roles it grants them to.
  */
@@ -378,7 +431,15 @@ REVOKE ALL ON FUNCTION
 	@extschema@.idem_begin(pg_catalog.text, pg_catalog.text,
 						   pg_catalog.interval, pg_catalog.interval,
 						   pg_catalog.text, pg_catalog.bool, pg_catalog.interval,
-						   pg_catalog.interval),
+						   pg_catalog.interval, pg_catalog.text),
+	@extschema@.idem_begin_many(pg_catalog.text[], pg_catalog.text[],
+								pg_catalog.interval, pg_catalog.interval,
+								pg_catalog.text, pg_catalog.bool, pg_catalog.interval,
+								pg_catalog.interval, pg_catalog.text),
+	@extschema@.idem_complete_many(pg_catalog.text[], pg_catalog.text[],
+								   pg_catalog.int4[], pg_catalog.bytea[],
+								   pg_catalog.int8[], pg_catalog.interval,
+								   pg_catalog.text),
 	@extschema@.idem_complete(pg_catalog.text, pg_catalog.text,
 							  pg_catalog.int4, pg_catalog.bytea,
 							  pg_catalog.int8, pg_catalog.interval,
@@ -408,7 +469,7 @@ REVOKE ALL ON @extschema@.idem_stats, @extschema@.idem_waits,
  * a role store values of it in tables of its own, which the extension's
  * updates would then have to drop.
  */
-REVOKE ALL ON TYPE idem.begin_result FROM PUBLIC;
+REVOKE ALL ON TYPE idem.begin_result, idem.begin_many_result FROM PUBLIC;
 
 /*
  * ALTER DEFAULT PRIVILEGES of the role that runs CREATE EXTENSION apply to
