@@ -18,6 +18,8 @@ import pytest
 
 from idem_pg._common import text
 
+from drivers import ASYNC_DRIVERS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 
@@ -56,6 +58,13 @@ def wait_for(predicate, timeout=30.0, step=0.02, what="condition"):
             return value
         time.sleep(step)
     raise AssertionError("timed out waiting for %s" % what)
+
+
+@pytest.fixture(params=ASYNC_DRIVERS)
+def adriver(request):
+    """The async tests run once with psycopg and once with asyncpg
+    (tests/drivers.py)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")

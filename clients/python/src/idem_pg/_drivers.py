@@ -19,9 +19,10 @@ once per statement text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import sys
-from typing import Any, AsyncContextManager, Dict, Optional, Sequence, Tuple
+from typing import Any, AsyncContextManager, AsyncIterator, Dict, Optional, Sequence, Tuple
 
 import psycopg
 from psycopg import pq
@@ -95,7 +96,8 @@ class PsycopgDriver(Driver):
     async def fetchrow(self, conn, query, params=()):
         async with conn.cursor(binary=True) as cur:
             await cur.execute(query, params)
-            return await cur.fetchone()
+            # a statement that returns no rows (an UPDATE): None
+            return None if cur.description is None else await cur.fetchone()
 
     async def execute(self, conn, sql):
         # psycopg sends a query without parameters with the simple protocol
@@ -181,7 +183,7 @@ class AsyncpgDriver(Driver):
         await conn.execute(sql)
 
     def transaction(self, conn):
-        return conn.transaction()
+        return _asyncpg_transaction(conn)
 
     async def commit(self, conn):
         if conn.is_in_transaction():
@@ -205,6 +207,22 @@ class AsyncpgDriver(Driver):
     def errors(self):
         import asyncpg
         return (asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+@contextlib.asynccontextmanager
+async def _asyncpg_transaction(conn: Any) -> AsyncIterator[Any]:
+    # asyncpg's Transaction, except that a block whose connection was
+    # closed under it (abort) raises its own exception, not asyncpg's
+    # "the underlying connection is closed".
+    tx = conn.transaction()
+    await tx.start()
+    try:
+        yield tx
+    except BaseException:
+        if not conn.is_closed():
+            await tx.rollback()
+        raise
+    await tx.commit()
 
 
 async def _asyncpg_cancel(conn: Any) -> None:
