@@ -202,6 +202,8 @@ func main() {
 	handlers := map[string]func(context.Context, string) ([]byte, error){
 		"idem": e.idem, "table": e.table, "redis": e.redis}
 
+	// keys of this run only, whatever the tables or Redis hold already
+	run := fmt.Sprintf("go-%x", time.Now().UnixMilli())
 	type result struct{ rps, server, client float64 }
 	results := map[string][]result{}
 	tick := 100.0 // USER_HZ on Linux
@@ -215,7 +217,7 @@ func main() {
 			// warm: every connection of the pool open, statements prepared
 			// by a request on keys of their own
 			for w := 0; w < *workers; w++ {
-				if _, err := handlers[p](ctx, fmt.Sprintf("warm-go-%s%d-%d", p, r, w)); err != nil {
+				if _, err := handlers[p](ctx, fmt.Sprintf("warm-%s-%s%d-%d", run, p, r, w)); err != nil {
 					fail("%s: %v", p, err)
 				}
 			}
@@ -228,7 +230,7 @@ func main() {
 					go func(w int) {
 						defer wg.Done()
 						for i := 0; i < *requests; i++ {
-							key := fmt.Sprintf("go-%s%d-%d-%d", p, r, w, i)
+							key := fmt.Sprintf("%s-%s%d-%d-%d", run, p, r, w, i)
 							body, err := handlers[p](ctx, key)
 							if err != nil {
 								errs <- fmt.Errorf("%s %s %s: %v", p, ph, key, err)
@@ -259,10 +261,10 @@ func main() {
 	}
 	// every request of every round made exactly one order
 	var dup, total int64
-	if err = pool.QueryRow(ctx, "SELECT count(*) FROM (SELECT key FROM e2e_orders WHERE key LIKE 'go-%' GROUP BY key HAVING count(*) > 1) d").Scan(&dup); err != nil {
+	if err = pool.QueryRow(ctx, "SELECT count(*) FROM (SELECT key FROM e2e_orders WHERE key LIKE $1 GROUP BY key HAVING count(*) > 1) d", run+"-%").Scan(&dup); err != nil {
 		fail("%v", err)
 	}
-	if err = pool.QueryRow(ctx, "SELECT count(*) FROM e2e_orders WHERE key LIKE 'go-%'").Scan(&total); err != nil {
+	if err = pool.QueryRow(ctx, "SELECT count(*) FROM e2e_orders WHERE key LIKE $1", run+"-%").Scan(&total); err != nil {
 		fail("%v", err)
 	}
 	if want := int64(*rounds * len(patterns) * n); dup != 0 || total != want {

@@ -42,6 +42,8 @@ const orderBody = (id) => `{"order":"${id}","status":"accepted","amount":4200,"c
 
 const pool = new Pool({ host: args.host, port: Number(args.port), user: 'postgres', database: args.dbname || 'bench', max: workers });
 const redis = new Redis({ host: '127.0.0.1', port: Number(args['redis-port']) });
+// keys of this run only, whatever the tables or Redis hold already
+const RUN = `node-${Date.now().toString(16)}`;
 const INSERT_ORDER = 'INSERT INTO e2e_orders (key, amount) VALUES ($1, 4200) RETURNING id';
 
 async function idem(key) {
@@ -126,14 +128,14 @@ async function main() {
     for (const p of PATTERNS) {
       const first = Array.from({ length: workers }, () => new Array(requests));
       // warm: every connection open, statements parsed, on keys of their own
-      await Promise.all(Array.from({ length: workers }, (_, w) => handlers[p](`warm-node-${p}${r}-${w}`)));
+      await Promise.all(Array.from({ length: workers }, (_, w) => handlers[p](`warm-${RUN}-${p}${r}-${w}`)));
       for (const ph of PHASES) {
         const s0 = serverTicks(dataDir);
         const c0 = process.cpuUsage();
         const t0 = process.hrtime.bigint();
         await Promise.all(Array.from({ length: workers }, async (_, w) => {
           for (let i = 0; i < requests; i++) {
-            const key = `node-${p}${r}-${w}-${i}`;
+            const key = `${RUN}-${p}${r}-${w}-${i}`;
             const body = await handlers[p](key);
             if (ph === 'new') first[w][i] = body;
             else if (body !== first[w][i]) throw new Error(`${p}: the replay of ${key} differs: ${body}, first ${first[w][i]}`);
@@ -148,8 +150,8 @@ async function main() {
       }
     }
   }
-  const dup = Number((await pool.query("SELECT count(*) FROM (SELECT key FROM e2e_orders WHERE key LIKE 'node-%' GROUP BY key HAVING count(*) > 1) d")).rows[0].count);
-  const total = Number((await pool.query("SELECT count(*) FROM e2e_orders WHERE key LIKE 'node-%'")).rows[0].count);
+  const dup = Number((await pool.query('SELECT count(*) FROM (SELECT key FROM e2e_orders WHERE key LIKE $1 GROUP BY key HAVING count(*) > 1) d', [`${RUN}-%`])).rows[0].count);
+  const total = Number((await pool.query('SELECT count(*) FROM e2e_orders WHERE key LIKE $1', [`${RUN}-%`])).rows[0].count);
   const want = rounds * PATTERNS.length * n;
   if (dup !== 0 || total !== want) throw new Error(`${total} orders for ${want} requests, ${dup} keys with more than one`);
   for (const p of PATTERNS) {
