@@ -22,7 +22,8 @@ import asyncio
 import contextlib
 import re
 import sys
-from typing import Any, AsyncContextManager, AsyncIterator, Dict, Optional, Sequence, Tuple
+from typing import (Any, AsyncContextManager, AsyncIterator, Dict, Optional, Sequence, Tuple,
+                    Type)
 
 import psycopg
 from psycopg import pq
@@ -76,7 +77,7 @@ class Driver:
         cancelled or timed out."""
         raise NotImplementedError
 
-    def errors(self) -> Tuple[type, ...]:
+    def errors(self) -> Tuple[Type[BaseException], ...]:
         """The driver's own exception classes (server errors, lost connections)."""
         raise NotImplementedError
 
@@ -126,7 +127,7 @@ class PsycopgDriver(Driver):
         except Exception:  # noqa: BLE001
             pass
 
-    def errors(self):
+    def errors(self) -> Tuple[Type[BaseException], ...]:
         return (psycopg.Error,)
 
 
@@ -204,8 +205,8 @@ class AsyncpgDriver(Driver):
             pass
         conn.terminate()
 
-    def errors(self):
-        import asyncpg
+    def errors(self) -> Tuple[Type[BaseException], ...]:
+        import asyncpg  # type: ignore[import]
         return (asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
@@ -252,9 +253,10 @@ def driver_of(conn: Any) -> Driver:
     raise TypeError("not a psycopg.AsyncConnection nor an asyncpg connection: %r" % (conn,))
 
 
-def driver_errors() -> Tuple[type, ...]:
-    """The exception classes of every driver loaded (for ``except``)."""
-    errs: Tuple[type, ...] = PSYCOPG.errors()
+def driver_errors(*extra: Type[BaseException]) -> Tuple[Type[BaseException], ...]:
+    """The exception classes of every driver loaded, after ``extra`` (for
+    ``except``)."""
+    errs: Tuple[Type[BaseException], ...] = extra + PSYCOPG.errors()
     if "asyncpg" in sys.modules:
         errs = errs + ASYNCPG.errors()
     return errs

@@ -337,7 +337,7 @@ class IdempotencyMiddleware:
             return
         except HandlerFailed as failed:
             raise failed.error              # rolled back; the framework answers 500
-        except (IdemError, OSError) + driver_errors() as exc:
+        except driver_errors(IdemError, OSError) as exc:
             err = translate(exc)
             if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
                 # the transaction of the first request still holds the key
@@ -373,7 +373,7 @@ class IdempotencyMiddleware:
             async with drv.transaction(conn):
                 return await tx.complete(captured.status,
                                          pack(s.kept(captured.headers), captured.body))
-        except (IdemError,) + driver_errors() as exc:
+        except driver_errors(IdemError) as exc:
             err = cast(IdemError, translate(exc))
             if transient(err):
                 raise

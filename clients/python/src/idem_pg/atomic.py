@@ -140,7 +140,7 @@ class AsyncAtomic(Atomic):
         try:
             if bounds is not None:
                 prev = saved_bounds(await drv.fetchrow(conn, _SET_BOUNDS, bounds))
-            self.expires_at = (await drv.fetchrow(conn, query, args))[0]
+            self.expires_at = cast(tuple, await drv.fetchrow(conn, query, args))[0]
             if bounds is not None:
                 await drv.fetchrow(conn, _RESTORE, prev)
         except driver_errors() as exc:
