@@ -559,6 +559,11 @@ else
 fi
 
 echo
+printf '%-44s %14s %14s %14s %8s %8s  %s\n' "workload" "idem" "peer" "peer 2" "idem/peer" "idem/peer2" "target"
+printf '%s\n' "${rows[@]}"
+echo
+echo "machine: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, PostgreSQL $(pg_config --version | awk '{print $2}'), runs=$runs, pgbench ${secs}s"
+echo
 echo "targets (idem/peer, or ms for 5b; noise: the spread of the runs, 5% at least)"
 printf '%s\n' "${verdicts[@]}"
 if [ -n "${BENCH_SMOKE:-}" ]; then
