@@ -27,6 +27,7 @@ messages=${IDEM_INBOX_MESSAGES:-1000}
 dir=$(mktemp -d /tmp/idem-inbox-$broker.XXXXXX) || exit 1
 pidfile=$dir/broker.pid
 epmd_port=
+driver=
 done_cleanup=
 
 as_user() {
@@ -40,6 +41,8 @@ as_user() {
 cleanup() {
 	[ -n "$done_cleanup" ] && return
 	done_cleanup=1
+	# The driver's consumers die with it (their parent-death signal).
+	[ -n "$driver" ] && kill "$driver" 2>/dev/null
 	if [ -s "$pidfile" ]; then
 		pid=$(cat "$pidfile")
 		kill "$pid" 2>/dev/null
@@ -125,8 +128,11 @@ redis)
 esac
 
 "$bin" drive -broker "$broker" -addr "$addr" -dsn "$dsn" -consumer "$bin" \
-	-n "$messages" -kills "$kills" 2>"$dir/driver.err"
+	-n "$messages" -kills "$kills" 2>"$dir/driver.err" &
+driver=$!
+wait "$driver"
 rc=$?
+driver=
 if [ "$rc" -ne 0 ]; then
 	tail -n 20 "$dir/driver.err" >&2
 	tail -n 20 "$dir/redis.log" "$dir/server.out" >&2 2>/dev/null

@@ -391,6 +391,7 @@ func drive() error {
 			cmd.Env = append(cmd.Env, "IDEM_INBOX_PAUSE="+point, "IDEM_INBOX_PAUSE_BATCH="+strconv.Itoa(rand.Intn(2)))
 		}
 		cmd.Stderr = os.Stderr
+		cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 		out, err := cmd.StdoutPipe()
 		if err != nil {
 			return err
@@ -436,6 +437,7 @@ func drive() error {
 	cmd := exec.Command(*consumer, "consume", "-broker", *broker, "-addr", *addr, "-dsn", *dsn, "-run", *run,
 		"-batch", strconv.Itoa(*batch), "-fail-rate", fmt.Sprint(*failRate), "-idle-exit")
 	cmd.Stdout, cmd.Stderr = os.Stderr, os.Stderr
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	done := make(chan error, 1)
 	if err := cmd.Start(); err != nil {
 		return err
