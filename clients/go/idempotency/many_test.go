@@ -402,3 +402,40 @@ func TestInboxConsume(t *testing.T) {
 		t.Fatalf("other queue: %v %+v", err, d)
 	}
 }
+
+// A pool that prefers the simple protocol runs the batch's statements one
+// at a time in explicit transactions, with the same answers.
+func TestDoManySimpleProtocol(t *testing.T) {
+	pool, _ := countedPool(t, true)
+	store := NewPostgresStore(pool)
+	store.Scope = newScope(t)
+	g := &Guard{Store: store}
+	items := []Item{{"s1", "fp"}, {"s2", "fp"}, {"s1", "fp"}, {`s"3\{,}`, "fp"}}
+	runs := make([]int32, len(items))
+	ctx, cancel := context.WithTimeout(bg, time.Hour)
+	defer cancel()
+	res := g.DoMany(ctx, items, func(ctx context.Context, i int) (Response, error) {
+		atomic.AddInt32(&runs[i], 1)
+		if i == 1 {
+			return Response{}, errors.New("s2 fails")
+		}
+		return Response{Status: 201, Body: []byte{0, 'x', byte(i)}}, nil
+	})
+	if res[0].Outcome != Executed || res[0].Err != nil || res[1].Err == nil || res[2].DuplicateOf != 0 || res[3].Err != nil {
+		t.Fatalf("results %+v", res)
+	}
+	if st := lookup(t, store.Scope, "s2"); st.found {
+		t.Fatalf("s2 not released: %+v", st)
+	}
+	res, err := g.DoManyTx(ctx, items, func(ctx context.Context, tx pgx.Tx, i int) (Response, error) {
+		atomic.AddInt32(&runs[i], 1)
+		return Response{Status: 202}, nil
+	})
+	if err != nil || res[0].Outcome != Replayed || string(res[0].Response.Body) != "\x00x\x00" ||
+		res[1].Outcome != Executed || res[3].Outcome != Replayed || string(res[3].Response.Body) != "\x00x\x03" {
+		t.Fatalf("DoManyTx: %v %+v", err, res)
+	}
+	if runs[0] != 1 || runs[1] != 2 || runs[2] != 0 || runs[3] != 1 {
+		t.Fatalf("runs %v", runs)
+	}
+}
