@@ -147,6 +147,27 @@ row "1 bulk $bulk keys (ms, lower=better)" "idem $bi" "sql $bs" "plpgsql $bp" "$
 judge "1 bulk vs set-based SQL" "$(ratio "$bi" "$bs")" "<=" 1.2 "$(sp "${ti[@]}")" "$(sp "${ts[@]}")"
 judge "1 bulk vs PL/pgSQL" "$(ratio "$bi" "$bp")" "<=" 0.5 "$(sp "${ti[@]}")" "$(sp "${tp[@]}")"
 
+# 1c. The same bulk through the batch functions: one idem_begin_many and
+# one idem_complete_many of every key (in the claiming transaction, as the
+# set-based peer writes in one), against the set-based SQL of row 1.
+batch_keys="ARRAY(SELECT 'b' || g FROM generate_series(1, $bulk) g)"
+batch_idem="BEGIN;
+	SET LOCAL idem.max_batch = $bulk;
+	SELECT count(*) FROM idem_begin_many($batch_keys, array_fill('fp'::text, ARRAY[$bulk]));
+	SELECT count(*) FROM idem_complete_many($batch_keys, array_fill('fp'::text, ARRAY[$bulk]),
+		array_fill(200, ARRAY[$bulk]), array_fill('\\x6f6b'::bytea, ARRAY[$bulk]));
+	COMMIT;"
+tb=() ts=()
+for _ in $(seq "$runs"); do
+	reset_keys; ts+=("$(timed "$bulk_sql")")
+	reset_keys; tb+=("$(timed "$batch_idem")")
+done
+[ "$(sql "SELECT count(*) FROM idem.keys WHERE status = 200")" -eq "$bulk" ]
+bb=$(printf '%s\n' "${tb[@]}" | median)
+bs=$(printf '%s\n' "${ts[@]}" | median)
+row "1c batch $bulk keys (ms, lower=better)" "idem $bb" "sql $bs" "" "$(ratio "$bb" "$bs")" "" "<=1.0"
+judge "1c batch functions vs set-based SQL" "$(ratio "$bb" "$bs")" "<=" 1.0 "$(sp "${tb[@]}")" "$(sp "${ts[@]}")"
+
 # 1b. In-statement replay: every key of a bulk claim answered DONE with its
 # status and body, against the lookup a user writes: a join of the keys
 # with the table on its primary key, as a nested loop of primary-key

@@ -25,7 +25,7 @@ sub sql
 	return $node->safe_psql($db, $query);
 }
 
-my $app_functions = 'idem_begin(text,text,interval,interval,text,boolean,interval,interval), '
+my $app_functions = 'idem_begin(text,text,interval,interval,text,boolean,interval,interval,text), '
   . 'idem_complete(text,text,integer,bytea,bigint,interval,text)';
 
 # Stores the keys every case below checks; returns the tokens by key.
@@ -128,10 +128,10 @@ sub check_restored
 		"$dst: expired, uncommitted and new keys are claimed with tokens above $last_token");
 
 	# Grants to the application role came along; PUBLIC still has none.
-	is(sql($dst, qq{SELECT has_function_privilege('app', 'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE'),
+	is(sql($dst, qq{SELECT has_function_privilege('app', 'idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)', 'EXECUTE'),
 		has_function_privilege('app', 'idem_complete(text,text,integer,bytea,bigint,interval,text)', 'EXECUTE'),
 		has_function_privilege('app', 'idem_release(text,bigint,text)', 'EXECUTE'),
-		has_function_privilege('public', 'idem_begin(text,text,interval,interval,text,boolean,interval,interval)', 'EXECUTE'),
+		has_function_privilege('public', 'idem_begin(text,text,interval,interval,text,boolean,interval,interval,text)', 'EXECUTE'),
 		has_table_privilege('public', 'idem.keys', 'SELECT')}),
 		't|t|f|f|f', "$dst: app keeps its grants, PUBLIC has none");
 	is(sql($dst, "SET ROLE app; SELECT claimed, state FROM idem_begin('app-key', 'fp')"),
@@ -264,7 +264,7 @@ is(sql('src', "SELECT idem_release('doomed-flight', $doomed_tok)"),
 # A database created at 1.0, with keys and a grant, then updated.
 sql('postgres', 'CREATE DATABASE src10');
 # (the signature idem_begin had before 1.4)
-(my $app_functions_10 = $app_functions) =~ s/boolean,interval,interval\)/boolean)/;
+(my $app_functions_10 = $app_functions) =~ s/boolean,interval,interval,text\)/boolean)/;
 sql('src10', "CREATE EXTENSION idem VERSION '1.0'; GRANT EXECUTE ON FUNCTION $app_functions_10 TO app");
 my %tok10 = store_keys('src10');
 sql('src10', 'ALTER EXTENSION idem UPDATE');
