@@ -1378,3 +1378,491 @@ idem_phase_sqlstate(const IdemPhase *phase)
 {
 	return phase->steps->err.sqlstate;
 }
+
+/*
+ * Batches: idem_guard_do_many.  One idem_begin_many claims every key (one
+ * statement, in the server's lock order), the handlers of the claimed
+ * items run in input order, and one idem_complete_many stores their
+ * responses; a handler that fails has its claim released.
+ */
+#define SQL_BEGIN_MANY \
+	"SELECT ordinality, claimed, state, token, status, body, duplicate_of" \
+	" FROM %s.idem_begin_many($1::pg_catalog.text[], $2::pg_catalog.text[]," \
+	" $3::pg_catalog.interval, $4::pg_catalog.interval, $5::pg_catalog.text," \
+	" $6::pg_catalog.bool, $7::pg_catalog.interval, $8::pg_catalog.interval)"
+#define SQL_COMPLETE_MANY \
+	"SELECT ordinality FROM %s.idem_complete_many($1::pg_catalog.text[]," \
+	" $2::pg_catalog.text[], $3::pg_catalog.int4[], $4::pg_catalog.bytea[]," \
+	" $5::pg_catalog.int8[], $6::pg_catalog.interval, $7::pg_catalog.text)"
+#define FN_BEGIN_MANY \
+	"idem_begin_many(text[], text[], interval, interval, text, boolean, interval, interval, text)"
+#define FN_COMPLETE_MANY \
+	"idem_complete_many(text[], text[], integer[], bytea[], bigint[], interval, text)"
+
+/* A growing string for array literals; len 0 and data NULL to start. */
+typedef struct ManyBuf
+{
+	char	   *data;
+	size_t		len;
+	size_t		cap;
+	bool		oom;
+} ManyBuf;
+
+static void
+buf_put(ManyBuf *b, const char *s, size_t n)
+{
+	if (b->oom)
+		return;
+	if (b->len + n + 1 > b->cap)
+	{
+		size_t		cap = b->cap ? b->cap : 256;
+		char	   *p;
+
+		while (b->len + n + 1 > cap)
+			cap *= 2;
+		p = realloc(b->data, cap);
+		if (p == NULL)
+		{
+			b->oom = true;
+			return;
+		}
+		b->data = p;
+		b->cap = cap;
+	}
+	memcpy(b->data + b->len, s, n);
+	b->len += n;
+	b->data[b->len] = '\0';
+}
+
+/* Append one quoted element of an array literal (its text s, n bytes). */
+static void
+buf_element(ManyBuf *b, const char *s, size_t n)
+{
+	size_t		i;
+
+	buf_put(b, b->len > 1 ? ",\"" : "\"", b->len > 1 ? 2 : 1);
+	for (i = 0; i < n; i++)
+	{
+		if (s[i] == '"' || s[i] == '\\')
+			buf_put(b, "\\", 1);
+		buf_put(b, s + i, 1);
+	}
+	buf_put(b, "\"", 1);
+}
+
+/* Append a bytea element in hex ("\\x..." inside the literal). */
+static void
+buf_bytea(ManyBuf *b, const unsigned char *p, size_t n)
+{
+	static const char hex[] = "0123456789abcdef";
+	size_t		i;
+
+	buf_put(b, b->len > 1 ? ",\"\\\\x" : "\"\\\\x", b->len > 1 ? 5 : 4);
+	for (i = 0; i < n; i++)
+	{
+		char		h[2] = {hex[p[i] >> 4], hex[p[i] & 15]};
+
+		buf_put(b, h, 2);
+	}
+	buf_put(b, "\"", 1);
+}
+
+/* Give every item of the batch the same failure. */
+static int
+many_unavailable(size_t n, IdemResult *results, int *duplicate_of,
+				 const GuardError *err)
+{
+	size_t		i;
+
+	for (i = 0; i < n; i++)
+	{
+		results[i].outcome = IDEM_UNAVAILABLE;
+		fail_step(&results[i], IDEM_STEP_BEGIN, err);
+		if (duplicate_of)
+			duplicate_of[i] = -1;
+	}
+	return -1;
+}
+
+/*
+ * Store the responses of the items in done[0..ndone) with one
+ * idem_complete_many call, the claims' tokens in tokens.  True if stored;
+ * otherwise err says why.
+ */
+static bool
+complete_many(GuardCall *gc, size_t ndone, const size_t *done,
+			  const char *const *keys, const char *const *fingerprints,
+			  const IdemResult *results, GuardError *err)
+{
+	ManyBuf		k = {0}, f = {0}, s = {0}, body = {0}, t = {0};
+	const char *values[7];
+	PGresult   *res;
+	size_t		j;
+	bool		ok = false;
+
+	if (fault_fires(gc->opts->fault, gc->opts->fault_arg, "complete", err))
+		return false;
+	buf_put(&k, "{", 1);
+	buf_put(&f, "{", 1);
+	buf_put(&s, "{", 1);
+	buf_put(&body, "{", 1);
+	buf_put(&t, "{", 1);
+	for (j = 0; j < ndone; j++)
+	{
+		size_t		i = done[j];
+		char		num[32];
+
+		buf_element(&k, keys[i], strlen(keys[i]));
+		buf_element(&f, fingerprints[i], strlen(fingerprints[i]));
+		snprintf(num, sizeof(num), "%d", results[i].resp.status);
+		buf_element(&s, num, strlen(num));
+		buf_bytea(&body, results[i].resp.body, results[i].resp.body_len);
+		snprintf(num, sizeof(num), "%" PRId64, results[i].token);
+		buf_element(&t, num, strlen(num));
+	}
+	buf_put(&k, "}", 1);
+	buf_put(&f, "}", 1);
+	buf_put(&s, "}", 1);
+	buf_put(&body, "}", 1);
+	buf_put(&t, "}", 1);
+	if (k.oom || f.oom || s.oom || body.oom || t.oom)
+		idem_guard_error(err, "out of memory building the batch");
+	else
+	{
+		values[0] = k.data;
+		values[1] = f.data;
+		values[2] = s.data;
+		values[3] = body.data;
+		values[4] = t.data;
+		values[5] = gc->retention;
+		values[6] = gc->scope;
+		res = call_exec(gc, SQL_COMPLETE_MANY, 7, values, NULL, NULL, err);
+		if (res == NULL)
+			name_missing(gc, FN_COMPLETE_MANY, err);
+		else
+		{
+			ok = true;
+			PQclear(res);
+		}
+	}
+	free(k.data);
+	free(f.data);
+	free(s.data);
+	free(body.data);
+	free(t.data);
+	return ok;
+}
+
+static int	idem_guard_many_run(PGconn *conn, const IdemGuardOptions *opts,
+								size_t n, const char *const *keys,
+								const char *const *fingerprints,
+								IdemHandler handler, void *arg,
+								IdemResult *results, int *duplicate_of);
+
+/*
+ * Run handler once for each key of a batch that this call claims, and
+ * answer the others as idem_guard_do_opts would; see idem_guard.h.
+ */
+int
+idem_guard_do_many(PGconn *conn, const IdemGuardOptions *opts, size_t n,
+				   const char *const *keys, const char *const *fingerprints,
+				   IdemHandler handler, void *arg, IdemResult *results,
+				   int *duplicate_of)
+{
+	IdemGuardOptions defaults;
+	GuardError	err;
+	size_t		i;
+	int			r;
+	int		   *dups;
+
+	if (opts == NULL)
+	{
+		idem_guard_options_init(&defaults);
+		opts = &defaults;
+	}
+	for (i = 0; i < n; i++)
+	{
+		memset(&results[i], 0, sizeof(IdemResult));
+		results[i].outcome = IDEM_UNAVAILABLE;
+		if (duplicate_of)
+			duplicate_of[i] = -1;
+	}
+	if (n == 0)
+		return 0;
+	dups = duplicate_of ? duplicate_of : malloc(n * sizeof(int));
+	if (dups == NULL)
+	{
+		idem_guard_error(&err, "out of memory building the batch");
+		return many_unavailable(n, results, NULL, &err);
+	}
+	for (i = 0; i < n; i++)
+		dups[i] = -1;
+	r = idem_guard_many_run(conn, opts, n, keys, fingerprints, handler, arg,
+							results, dups);
+	if (dups != duplicate_of)
+		free(dups);
+	return r;
+}
+
+/* idem_guard_do_many with its duplicate_of array (never NULL). */
+static int
+idem_guard_many_run(PGconn *conn, const IdemGuardOptions *opts, size_t n,
+					const char *const *keys, const char *const *fingerprints,
+					IdemHandler handler, void *arg, IdemResult *results,
+					int *duplicate_of)
+{
+	GuardCall	gc;
+	GuardError	err;
+	ManyBuf		k = {0}, f = {0};
+	const char *values[8];
+	char		sql[SQL_LEN];
+	char		wait_for[32];
+	char		remember[32];
+	GuardStatement st = {sql, 8, values, NULL, NULL, 0};
+	PGresult   *rows = NULL;
+	bool		uncertain = false;
+	int			timeout_ms;
+	size_t	   *done = NULL;
+	size_t		ndone = 0;
+	size_t		i;
+	int			r;
+
+	if (!call_init(&gc, conn, opts, NULL, NULL, &err))
+		return many_unavailable(n, results, duplicate_of, &err);
+	if (fault_fires(opts->fault, opts->fault_arg, "begin", &err))
+		return many_unavailable(n, results, duplicate_of, &err);
+	buf_put(&k, "{", 1);
+	buf_put(&f, "{", 1);
+	for (i = 0; i < n; i++)
+	{
+		if (keys[i] == NULL || fingerprints[i] == NULL)
+		{
+			free(k.data);
+			free(f.data);
+			idem_guard_error(&err, "%s[%zu] is NULL", keys[i] == NULL ?
+							 "keys" : "fingerprints", i);
+			return many_unavailable(n, results, duplicate_of, &err);
+		}
+		buf_element(&k, keys[i], strlen(keys[i]));
+		buf_element(&f, fingerprints[i], strlen(fingerprints[i]));
+	}
+	buf_put(&k, "}", 1);
+	buf_put(&f, "}", 1);
+	done = malloc(n * sizeof(size_t));
+	if (k.oom || f.oom || done == NULL)
+	{
+		free(k.data);
+		free(f.data);
+		free(done);
+		idem_guard_error(&err, "out of memory building the batch");
+		return many_unavailable(n, results, duplicate_of, &err);
+	}
+	values[0] = k.data;
+	values[1] = f.data;
+	values[2] = gc.lease;
+	values[3] = gc.retention;
+	values[4] = gc.scope;
+	values[5] = opts->wait ? "true" : "false";
+	values[6] = NULL;
+	values[7] = NULL;
+	timeout_ms = opts->timeout_ms;
+	if (opts->wait_for_ms > 0)
+	{
+		snprintf(wait_for, sizeof(wait_for), "%d milliseconds", opts->wait_for_ms);
+		values[6] = wait_for;
+		if (timeout_ms > 0)
+			timeout_ms += opts->wait_for_ms;
+	}
+	if (opts->remember_ms > 0)
+	{
+		snprintf(remember, sizeof(remember), "%d milliseconds", opts->remember_ms);
+		values[7] = remember;
+	}
+	snprintf(sql, sizeof(sql), SQL_BEGIN_MANY, gc.schema);
+	rows = call_statement(conn, &st, timeout_ms, opts->clock_offset_s, NULL,
+						  &err, &uncertain);
+	free(k.data);
+	free(f.data);
+	if (rows == NULL)
+	{
+		free(done);
+		name_missing(&gc, FN_BEGIN_MANY, &err);
+		return many_unavailable(n, results, duplicate_of, &err);
+	}
+	if ((size_t) PQntuples(rows) != n || PQnfields(rows) != 7)
+	{
+		PQclear(rows);
+		free(done);
+		idem_guard_error(&err, "idem_begin_many returned an unexpected result");
+		return many_unavailable(n, results, duplicate_of, &err);
+	}
+
+	/* The answers: claims (token set), replays, refusals, duplicates. */
+	for (r = 0; r < PQntuples(rows); r++)
+	{
+		long		ord = strtol(PQgetvalue(rows, r, 0), NULL, 10);
+		const char *state = PQgetvalue(rows, r, 2);
+		IdemResult *res;
+
+		if (ord < 1 || (size_t) ord > n)
+			continue;
+		res = &results[ord - 1];
+		if (!PQgetisnull(rows, r, 6))
+			duplicate_of[ord - 1] = atoi(PQgetvalue(rows, r, 6)) - 1;
+		if (strcmp(PQgetvalue(rows, r, 1), "t") == 0)
+		{
+			res->token = strtoll(PQgetvalue(rows, r, 3), NULL, 10);
+			res->outcome = IDEM_EXECUTED;	/* claimed: to run */
+			continue;
+		}
+		if (strcmp(state, "DONE") == 0 || strcmp(state, "EXPIRED") == 0)
+		{
+			int			status = PQgetisnull(rows, r, 4) ? 0 : atoi(PQgetvalue(rows, r, 4));
+			unsigned char *body = NULL;
+			size_t		len = 0;
+
+			if (strcmp(state, "DONE") == 0 && !PQgetisnull(rows, r, 5))
+				body = PQunescapeBytea((const unsigned char *) PQgetvalue(rows, r, 5), &len);
+			if ((strcmp(state, "DONE") == 0 && !PQgetisnull(rows, r, 5) && body == NULL) ||
+				fault_fires(opts->fault, opts->fault_arg, "replay", &err) ||
+				idem_response_set(&res->resp, status, body, len) != 0)
+			{
+				idem_guard_error(&err, "out of memory copying the stored response");
+				fail_step(res, IDEM_STEP_REPLAY, &err);
+				res->outcome = IDEM_UNAVAILABLE;
+			}
+			else
+				res->outcome = strcmp(state, "DONE") == 0 ? IDEM_REPLAYED : IDEM_EXPIRED;
+			if (res->outcome == IDEM_EXPIRED)
+			{
+				free(res->resp.body);
+				res->resp.body = NULL;
+				res->resp.body_len = 0;
+			}
+			if (body)
+				PQfreemem(body);
+		}
+		else if (strcmp(state, "CONFLICT") == 0)
+			res->outcome = IDEM_CONFLICT;
+		else if (strcmp(state, "PROCESSING") == 0)
+			res->outcome = IDEM_IN_FLIGHT;
+		else if (strcmp(state, "DUPLICATE") == 0)
+			res->outcome = IDEM_UNAVAILABLE;	/* filled in at the end */
+		else
+		{
+			idem_guard_error(&err, "idem_begin_many answered an unknown state \"%.32s\"",
+							 state);
+			fail_step(res, IDEM_STEP_BEGIN, &err);
+		}
+	}
+	PQclear(rows);
+
+	/* Claimed but maybe not committed: give every claim up, run nothing. */
+	if (uncertain)
+	{
+		for (i = 0; i < n; i++)
+		{
+			GuardError	rerr;
+
+			if (results[i].token == 0)
+				continue;
+			gc.key = keys[i];
+			snprintf(gc.token, sizeof(gc.token), "%" PRId64, results[i].token);
+			results[i].released = release_claim(&gc, &rerr);
+			results[i].outcome = IDEM_UNAVAILABLE;
+			fail_step(&results[i], IDEM_STEP_BEGIN, &err);
+		}
+		free(done);
+		return -1;
+	}
+
+	/* The handlers of the claimed items, in input order. */
+	for (i = 0; i < n; i++)
+	{
+		IdemClaim	claim;
+		int			herr;
+
+		if (results[i].token == 0)
+			continue;
+		memset(&claim, 0, sizeof(claim));
+		claim.key = keys[i];
+		claim.scope = gc.scope;
+		claim.token = results[i].token;
+		claim.item = i;
+		herr = handler(&claim, arg, &results[i].resp);
+		if (herr == 0)
+		{
+			done[ndone++] = i;
+			continue;
+		}
+		idem_guard_error(&err, "handler failed (%d)", herr);
+		fail_step(&results[i], IDEM_STEP_HANDLER, &err);
+		if (!opts->keep_claim_on_error)
+		{
+			GuardError	rerr;
+
+			gc.key = keys[i];
+			snprintf(gc.token, sizeof(gc.token), "%" PRId64, results[i].token);
+			results[i].released = release_claim(&gc, &rerr);
+			if (!results[i].released)
+			{
+				memcpy(results[i].sqlstate, rerr.sqlstate, sizeof(results[i].sqlstate));
+				snprintf(results[i].message, sizeof(results[i].message),
+						 "handler failed (%d); release failed: %.200s",
+						 herr, rerr.message);
+			}
+		}
+	}
+
+	/* One idem_complete_many; a response refused for good: one by one. */
+	if (ndone > 0 &&
+		!complete_many(&gc, ndone, done, keys, fingerprints, results, &err))
+	{
+		bool		refused = response_refused(&err);
+		size_t		j;
+
+		for (j = 0; j < ndone; j++)
+		{
+			IdemResult *res = &results[done[j]];
+			GuardError	cerr;
+
+			if (!refused)
+			{
+				fail_step(res, IDEM_STEP_COMPLETE, &err);
+				continue;
+			}
+			gc.key = keys[done[j]];
+			gc.fingerprint = fingerprints[done[j]];
+			snprintf(gc.token, sizeof(gc.token), "%" PRId64, res->token);
+			if (complete_claim(&gc, &res->resp, &cerr))
+				continue;
+			if (response_refused(&cerr))
+				store_not_stored(&gc, &cerr, res);
+			else
+				fail_step(res, IDEM_STEP_COMPLETE, &cerr);
+		}
+	}
+	free(done);
+
+	/* A repeated key: its first occurrence's result (CONFLICT stays). */
+	{
+		for (i = 0; i < n; i++)
+		{
+			int			d = duplicate_of[i];
+
+			if (d < 0 || (size_t) d >= i || results[i].outcome == IDEM_CONFLICT)
+				continue;
+			results[i] = results[d];
+			results[i].resp.body = NULL;
+			results[i].resp.body_len = 0;
+			if (idem_response_set(&results[i].resp, results[d].resp.status,
+								  results[d].resp.body, results[d].resp.body_len) != 0)
+			{
+				idem_guard_error(&err, "out of memory copying the response");
+				results[i].outcome = IDEM_UNAVAILABLE;
+				fail_step(&results[i], IDEM_STEP_REPLAY, &err);
+			}
+		}
+	}
+	return 0;
+}

@@ -88,6 +88,8 @@ typedef struct IdemClaim
 	int64_t		token;			/* fencing token: pass it downstream */
 	struct IdemHeartbeat *heartbeat;	/* private */
 	struct IdemSteps *steps;	/* private: idem_guard_step's state */
+	size_t		item;			/* idem_guard_do_many: the item's position
+								 * in the batch (from 0); 0 otherwise */
 } IdemClaim;
 
 /*
@@ -228,6 +230,35 @@ extern IdemOutcome idem_guard_do_opts(PGconn *conn,
 									  const char *fingerprint,
 									  IdemHandler handler, void *arg,
 									  IdemResult *res);
+
+/*
+ * Batches: run handler once for each of the n keys (with their
+ * fingerprints) that this call claims, and answer the others as
+ * idem_guard_do_opts would, item by item: results[i] is item i's result
+ * (clear each with idem_result_clear), in input order.  One
+ * idem_begin_many call claims every key (in the server's lock order, so
+ * that two overlapping batches never deadlock) and commits; the handlers
+ * of the claimed items run one after another in input order, claim->item
+ * naming the item; one idem_complete_many call stores their responses.  A
+ * handler that fails has its claim released (unless keep_claim_on_error):
+ * that item is EXECUTED with failed HANDLER, the others are stored.  A
+ * key repeated in the batch is claimed once, for its first occurrence;
+ * a later occurrence gets the first one's result (a copy), or CONFLICT
+ * for another fingerprint, and duplicate_of[i] (if not NULL) is the
+ * first occurrence's position, -1 for an item whose key is not repeated.
+ * With wait_for_ms, items in flight are waited for up to wait_for_ms in
+ * all; one still in flight then is IN_FLIGHT.  A response the server
+ * refuses for good is stored on its own, with IDEM_NOT_STORED_BODY in
+ * its place for that item alone.  heartbeat_conninfo and steps do not
+ * apply: lease_ms must cover every handler of the batch.  Returns 0, or
+ * -1 when the batch could not be claimed (every item UNAVAILABLE with
+ * failed BEGIN, no handler run).  Needs idem 1.7.
+ */
+extern int	idem_guard_do_many(PGconn *conn, const IdemGuardOptions *opts,
+							   size_t n, const char *const *keys,
+							   const char *const *fingerprints,
+							   IdemHandler handler, void *arg,
+							   IdemResult *results, int *duplicate_of);
 
 extern int	idem_response_set(IdemResponse *resp, int status,
 							  const void *body, size_t body_len);

@@ -15,7 +15,16 @@
 # database postgres, then in test/odd_database.sql's), then moduletest's
 # TestModuleMode in module mode without a module proxy (README.md, "Module
 # mode, offline"), always stops the cluster, and ends with a line
-# "N passed, N failed" counting the Go test cases (tests and subtests).
+# "N passed, N failed" counting the Go test cases (tests and subtests) and
+# the broker kill tests.
+#
+# The broker kill tests (clients/go/inbox_kill.sh, one case per broker)
+# run the Inbox's consumer against RabbitMQ and Redis streams, which
+# the script starts on free ports as the unprivileged user, and kill it
+# 200 times each; IDEM_GO_BROKERS names the brokers ("rabbitmq redis" by
+# default, none when IDEM_GO_TESTS is set): IDEM_GO_BROKERS=redis.  The
+# install step installs rabbitmq-server, redis-server and their Go
+# libraries (amqp091-go, redigo) when they are needed and missing.
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -53,6 +62,22 @@ missing=
 command -v go >/dev/null 2>&1 || missing="$missing golang-go"
 [ -d /usr/share/gocode/src/github.com/jackc/pgx/v4/pgxpool ] ||
 	missing="$missing golang-github-jackc-pgx-v4-dev"
+if [ -z "${IDEM_GO_TESTS:-}" ]; then
+	brokers=${IDEM_GO_BROKERS-rabbitmq redis}
+else
+	brokers=${IDEM_GO_BROKERS:-}
+fi
+case " $brokers " in *" rabbitmq "*)
+	command -v rabbitmq-server >/dev/null 2>&1 || [ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] ||
+		missing="$missing rabbitmq-server"
+	[ -d /usr/share/gocode/src/github.com/rabbitmq/amqp091-go ] ||
+		missing="$missing golang-github-rabbitmq-amqp091-go-dev" ;;
+esac
+case " $brokers " in *" redis "*)
+	command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+	[ -d /usr/share/gocode/src/github.com/gomodule/redigo/redis ] ||
+		missing="$missing golang-github-gomodule-redigo-dev" ;;
+esac
 if [ -n "$missing" ]; then
 	if [ "$(id -u)" -eq 0 ]; then sudo=; else sudo=sudo; fi
 	echo "installing:$missing"
@@ -148,11 +173,31 @@ EOF
 	[ "$grc" -ne 0 ] && rc=$grc
 }
 case "${IDEM_GO_TESTS:-}" in '' | *Module*) run_module ;; esac
+# 5. The Inbox's broker kill tests: a consumer (clients/go/inboxtest)
+# killed with SIGKILL between its handler and its commit, between its
+# commit and its ack and at random times, 200 times per broker; each
+# prints "ok - BROKER: ..." or "not ok - BROKER: ...".
+if [ -n "$brokers" ]; then
+	(
+		cd "$work/gopath/src/idem/clients/go" &&
+			GO111MODULE=off GOPATH="$work/gopath:/usr/share/gocode" GOFLAGS= GOPROXY=off \
+				exec go build -o "$work/inboxtest" ./inboxtest/
+	) >>"$log" 2>&1 || { echo "not ok - inboxtest did not build" >>"$log"; rc=1; }
+	for b in $brokers; do
+		[ -x "$work/inboxtest" ] || break
+		echo "# inbox kill test: $b" >>"$log"
+		sh "$here/inbox_kill.sh" "$b" "$work/inboxtest" \
+			"host=$dir port=$port user=postgres dbname=postgres" >>"$log" 2>&1 &
+		gotest=$!
+		wait "$gotest" || rc=1
+		gotest=
+	done
+fi
 cat "$log"
 
-# 5. Count the cases.
-passed=$(grep -c -- '--- PASS:' "$log")
-failed=$(grep -c -- '--- FAIL:' "$log")
+# 6. Count the cases.
+passed=$(grep -c -e '--- PASS:' -e '^ok - ' "$log")
+failed=$(grep -c -e '--- FAIL:' -e '^not ok - ' "$log")
 if [ "$rc" -ne 0 ] && [ "$failed" -eq 0 ]; then
 	failed=1	# build failure, panic or timeout
 fi

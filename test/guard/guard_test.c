@@ -251,6 +251,133 @@ test_basic(PGconn *conn)
 	idem_result_clear(&res);
 }
 
+/* The batch handler: answer "key:item", fail the item named by arg. */
+typedef struct ManyCtx
+{
+	int			fail_item;		/* -1: none */
+	char		order[128];		/* items run, in order */
+} ManyCtx;
+
+static int
+many_handler(const IdemClaim *claim, void *arg, IdemResponse *resp)
+{
+	ManyCtx    *mc = arg;
+	char		body[128];
+	size_t		len = strlen(mc->order);
+
+	snprintf(mc->order + len, sizeof(mc->order) - len, "%s%zu",
+			 len ? "," : "", claim->item);
+	snprintf(body, sizeof(body), "%s:%zu", claim->key, claim->item);
+	idem_response_set(resp, 200, body, strlen(body));
+	return (int) claim->item == mc->fail_item ? 7 : 0;
+}
+
+/* Print a batch's results on one line named name. */
+static void
+print_many(const char *name, size_t n, IdemResult *results, const int *dups,
+		   const ManyCtx *mc)
+{
+	char		line[1024] = "";
+	size_t		i;
+	size_t		len;
+
+	for (i = 0; i < n; i++)
+	{
+		len = strlen(line);
+		snprintf(line + len, sizeof(line) - len, "%s%s", i ? "," : "",
+				 idem_outcome_name(results[i].outcome));
+	}
+	len = strlen(line);
+	snprintf(line + len, sizeof(line) - len, " dups=");
+	for (i = 0; i < n; i++)
+	{
+		len = strlen(line);
+		snprintf(line + len, sizeof(line) - len, "%s%d", i ? "," : "", dups[i]);
+	}
+	len = strlen(line);
+	snprintf(line + len, sizeof(line) - len, " bodies=");
+	for (i = 0; i < n; i++)
+	{
+		len = strlen(line);
+		snprintf(line + len, sizeof(line) - len, "%s%.*s", i ? "|" : "",
+				 (int) results[i].resp.body_len,
+				 results[i].resp.body ? (const char *) results[i].resp.body : "");
+	}
+	len = strlen(line);
+	snprintf(line + len, sizeof(line) - len, " failed=");
+	for (i = 0; i < n; i++)
+	{
+		len = strlen(line);
+		snprintf(line + len, sizeof(line) - len, "%s%s", i ? "," : "",
+				 idem_step_name(results[i].failed));
+	}
+	printf("%s: outcomes=%s order=%s\n", name, line, mc->order);
+}
+
+/*
+ * Batches: order, a stored key replayed, a key repeated (same and other
+ * fingerprint), a handler error on one item (released, run again by the
+ * retry), keys that need quoting in an array.
+ */
+static void
+test_many(PGconn *conn)
+{
+	const char *keys[] = {"many-a", "many-b", "many-a", "many-c", "many-a",
+	"many-\"q\\{,}"};
+	const char *fps[] = {"fp", "fp", "fp", "fp", "other", "fp"};
+	IdemResult	results[6];
+	int			dups[6];
+	IdemGuardOptions opts;
+	IdemResult	res;
+	ManyCtx		mc;
+	Ctx			ctx;
+	size_t		i;
+	int			rc;
+
+	opts_init(&opts);
+	ctx_init(&ctx);
+	run(conn, &opts, "many-b", "fp", &ctx, &res);
+	idem_result_clear(&res);
+
+	memset(&mc, 0, sizeof(mc));
+	mc.fail_item = 3;
+	rc = idem_guard_do_many(conn, &opts, 6, keys, fps, many_handler, &mc,
+							results, dups);
+	print_many("many", 6, results, dups, &mc);
+	printf("many_states: rc=%d a=%s b=%s c=%s q=%s released=%s\n", rc,
+		   key_state("many-a"), key_state("many-b"), key_state("many-c"),
+		   key_state(keys[5]), results[3].released ? "yes" : "no");
+	for (i = 0; i < 6; i++)
+		idem_result_clear(&results[i]);
+
+	/* The retry runs the failed item alone; the rest replays in order. */
+	memset(&mc, 0, sizeof(mc));
+	mc.fail_item = -1;
+	idem_guard_do_many(conn, &opts, 6, keys, fps, many_handler, &mc,
+					   results, dups);
+	print_many("many_retry", 6, results, dups, &mc);
+	for (i = 0; i < 6; i++)
+		idem_result_clear(&results[i]);
+
+	/* No claim can be made: every item UNAVAILABLE, nothing run. */
+	memset(&mc, 0, sizeof(mc));
+	mc.fail_item = -1;
+	{
+		IdemFaultCounter fc = {"begin", 1};
+
+		opts.fault = idem_fault_fail_n;
+		opts.fault_arg = &fc;
+		rc = idem_guard_do_many(conn, &opts, 2, keys, fps, many_handler, &mc,
+								results, NULL);
+		printf("many_unavailable: rc=%d outcomes=%s,%s failed=%s order=%s\n", rc,
+			   idem_outcome_name(results[0].outcome),
+			   idem_outcome_name(results[1].outcome),
+			   idem_step_name(results[0].failed), mc.order);
+		for (i = 0; i < 2; i++)
+			idem_result_clear(&results[i]);
+	}
+}
+
 /* A body with zero bytes replays byte for byte. */
 static void
 test_binary(PGconn *conn)
@@ -1995,6 +2122,7 @@ main(int argc, char **argv)
 	test_timeout_after_commit();
 	test_wait_for(conn);
 	test_server_tombstone(conn);
+	test_many(conn);
 
 	PQfinish(conn);
 	PQfinish(admin);

@@ -176,6 +176,15 @@ my @expected = (
 	# run again; without remember_ms the retry runs the handler again.
 	[ server_tombstone => 'retention_over=t outcome=EXPIRED failed=none status=201 body=none calls=1 lookup=EXPIRED/201' ],
 	[ server_tombstone_plain => 'outcome=EXECUTED failed=none calls=2' ],
+	# Batches (idem_guard_do_many): one claim for all, handlers in input
+	# order, a stored key replayed, a key repeated (its first result, or
+	# CONFLICT for another fingerprint), a handler error releasing its
+	# item alone, which the retry runs; keys that need quoting in an
+	# array; no claim: every item UNAVAILABLE.
+	[ many => 'outcomes=EXECUTED,REPLAYED,EXECUTED,EXECUTED,CONFLICT,EXECUTED dups=-1,-1,0,-1,0,-1 bodies=many-a:0|created|many-a:0|many-c:3||many-"q\\{,}:5 failed=none,none,none,handler,none,none order=0,3,5' ],
+	[ many_states => 'rc=0 a=DONE b=DONE c=NONE q=DONE released=yes' ],
+	[ many_retry => 'outcomes=REPLAYED,REPLAYED,REPLAYED,EXECUTED,CONFLICT,REPLAYED dups=-1,-1,0,-1,0,-1 bodies=many-a:0|created|many-a:0|many-c:3||many-"q\\{,}:5 failed=none,none,none,none,none,none order=3' ],
+	[ many_unavailable => 'rc=-1 outcomes=UNAVAILABLE,UNAVAILABLE failed=begin order=' ],
 	[ done => '' ]);
 
 # The same cases in the cluster's database, then in test/odd_database.sql's
