@@ -205,7 +205,104 @@ export declare class Guard {
   /** transaction() with this guard's options. */
   transaction(client: ClientBase, key: string, fingerprint: string,
     handler: (claim: TransactionClaim) => Response | Promise<Response>, options?: GuardOptions): Promise<TransactionResult>;
+  /**
+   * One idem_begin_many for every item, handler for each item claimed, one idem_complete_many;
+   * one result per item in input order. Never rejects for the store or a handler.
+   */
+  doMany<I extends BatchItem>(items: I[], handler: (claim: BatchClaim, item: I, index: number) => Response | Promise<Response>,
+    options?: BatchOptions): Promise<BatchResult[]>;
+  /** transactionMany() with this guard's options. */
+  transactionMany<I extends BatchItem>(client: ClientBase, items: I[],
+    handler: (claim: TransactionBatchClaim, item: I, index: number) => Response | Promise<Response>,
+    options?: GuardOptions): Promise<BatchResult[]>;
 }
+
+/** An item of a batch: its key and fingerprint (default ''). */
+export interface BatchItem {
+  key: string;
+  fingerprint?: string;
+}
+
+export interface BatchOptions extends GuardOptions {
+  /** How many handlers run at once (default 1). */
+  concurrency?: number;
+}
+
+export interface BatchClaim {
+  key: string;
+  fingerprint: string;
+  scope: string;
+  index: number;
+  token: bigint;
+  leaseUntil: Date;
+  signal: AbortSignal;
+  readonly lost: boolean;
+}
+
+export interface TransactionBatchClaim extends TransactionClaim {
+  index: number;
+}
+
+export interface BatchResult {
+  index: number;
+  key: string;
+  outcome: OutcomeName;
+  response: StoredResponse | null;
+  token: bigint | null;
+  error: unknown;
+  failedStep: 'begin' | 'handler' | 'complete' | null;
+  released: boolean;
+  /** A key repeated in the batch: the index of its first occurrence, whose result this is; otherwise null. */
+  duplicateOf: number | null;
+  leaseUntil: Date | null;
+  expiresAt: Date | null;
+  notStored: boolean;
+  status: number | null;
+}
+
+/**
+ * A batch in one transaction on the caller's idle client: idem_begin_many, each claimed item's
+ * handler in a savepoint (a throwing one is rolled back and released alone), idem_complete_many, COMMIT.
+ */
+export declare function transactionMany<I extends BatchItem>(client: ClientBase, items: I[],
+  handler: (claim: TransactionBatchClaim, item: I, index: number) => Response | Promise<Response>,
+  options?: GuardOptions): Promise<BatchResult[]>;
+
+export interface InboxResult<M> {
+  message: M;
+  id: string | null;
+  outcome: OutcomeName | null;
+  /** Whether the broker may forget the message (acked). */
+  ack: boolean;
+  error: unknown;
+  duplicateOf: number | null;
+}
+
+export interface InboxOptions<M> extends Omit<GuardOptions, 'scope'> {
+  /** The scope of the message ids. */
+  queue: string;
+  /** The business writes on client (the batch's transaction); the value returned is stored as the outcome. */
+  handle: (message: M, client: ClientBase, claim: TransactionBatchClaim) => unknown;
+  id?: (message: M) => string | null | undefined;
+  fingerprint?: (message: M) => string;
+  beforeAck?: (results: InboxResult<M>[]) => void | Promise<void>;
+}
+
+export interface Consumer {
+  stop(): Promise<void>;
+}
+
+export declare class Inbox<M = any> {
+  /** One batch in one transaction; resolves after the COMMIT. */
+  process(messages: M[]): Promise<InboxResult<M>[]>;
+  consumeAmqp(channel: any, queue: string, options?: { batchSize?: number; lingerMs?: number; onError?: (err: unknown) => void }): Promise<Consumer>;
+  consumeRedisStream(redis: any, options: {
+    stream: string; group: string; consumer: string; count?: number; blockMs?: number; claimIdleMs?: number;
+    onError?: (err: unknown) => void;
+  }): Promise<Consumer & { done: Promise<void> }>;
+}
+
+export declare function inbox<M = any>(pool: Pool | { connect(): Promise<PoolClient> }, options: InboxOptions<M>): Inbox<M>;
 
 export interface TransactionClaim {
   key: string;
@@ -396,6 +493,14 @@ declare global {
         step?: Claim['step'];
         stepTx?: Claim['stepTx'];
         resumedFrom?: string | null;
+        /**
+         * Default mode: the items of a batch request, each under its own key (key(item, i), else
+         * `<key>:<index>`), claimed with one idem_begin_many; retry: answer 503 so a retry runs them again.
+         */
+        items<I>(items: I[], handler: (item: I, index: number, claim: BatchClaim) =>
+          { status: number; body?: unknown } | Promise<{ status: number; body?: unknown }>,
+          options?: { key?: (item: I, index: number) => string; fingerprint?: (item: I, index: number) => string }):
+          Promise<{ results: Array<{ index: number; key: string; status: number; body: unknown; replayed: boolean; duplicateOf: number | null }>; retry: boolean }>;
       };
       /** The raw body bytes, when kept (saveRawBody, or read by the middleware). */
       rawBody?: Buffer;

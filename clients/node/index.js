@@ -10,6 +10,8 @@ const {
 const { Store } = require('./lib/store');
 const { Guard, Outcome, failTimes } = require('./lib/guard');
 const { transaction } = require('./lib/transaction');
+const { transactionMany } = require('./lib/batch');
+const { inbox } = require('./lib/inbox');
 const { NOT_STORED } = require('./lib/outcome');
 const { CheckpointDataError, stepIdempotencyKey } = require('./lib/steps');
 const { idempotency, saveRawBody, defaultFingerprint, parseKey, parseHttpDate, callerScope } = require('./lib/express');
@@ -19,6 +21,8 @@ module.exports = {
   Outcome,
   Store,
   transaction,
+  transactionMany,
+  inbox,
   failTimes,
   idempotency,
   saveRawBody,

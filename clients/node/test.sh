@@ -11,8 +11,12 @@
 # its UTF8 database and again in test/odd_database.sql's), then
 # test/http/conformance.py against test/conformance_app.js and tsc --strict
 # over test/types/example.ts (neither when IDEM_NODE_TESTS picks tests),
-# and prints "N passed, N failed".  The cluster and any app server the
-# tests started are stopped on exit, also on failure or interrupt.
+# and prints "N passed, N failed".  test/inbox.test.js gets RabbitMQ and
+# Redis (test/brokers.sh: Debian's rabbitmq-server and redis-server,
+# installed if missing, on free ports of 127.0.0.1, as the unprivileged
+# user when run as root; not started when IDEM_NODE_TESTS names no inbox
+# test).  The cluster, the brokers and any app server the tests started
+# are stopped on exit, also on failure or interrupt.
 set -u
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -20,6 +24,7 @@ root=$(cd "$here/../.." && pwd)
 port=${IDEM_NODE_PORT:-55452}
 # No libpq variable of the caller's reaches a connection (test/ports.sh).
 . "$root/test/ports.sh"
+. "$here/test/brokers.sh"
 work=$(mktemp -d /tmp/idem-node.XXXXXX)
 chmod 755 "$work"
 pgdir="$work/pg"
@@ -50,6 +55,7 @@ cleanup() {
 	while read -r pid; do
 		[ -n "$pid" ] && kill -9 "$pid" 2>/dev/null
 	done <"$pids"
+	[ -d "$work/brokers" ] && brokers_stop "$work/brokers"
 	[ -d "$pgdir/data" ] && sh "$root/test/cluster.sh" stop "$pgdir" >/dev/null 2>&1
 	rm -rf "$work"
 }
@@ -63,11 +69,18 @@ fail_setup() {
 	exit 1
 }
 
-# Node and npm from Debian's packages when the machine has none.
-if ! command -v node >/dev/null 2>&1 || ! command -v npm >/dev/null 2>&1; then
-	missing=""
-	command -v node >/dev/null 2>&1 || missing="nodejs"
-	command -v npm >/dev/null 2>&1 || missing="$missing npm"
+# The inbox tests' brokers, unless the tests picked leave them out.
+brokers=yes
+case "${IDEM_NODE_TESTS:-inbox}" in *inbox*) ;; *) brokers=no ;; esac
+# Node and npm (and the brokers) from Debian's packages when the machine has none.
+missing=""
+command -v node >/dev/null 2>&1 || missing="nodejs"
+command -v npm >/dev/null 2>&1 || missing="$missing npm"
+if [ "$brokers" = yes ]; then
+	[ -x /usr/lib/rabbitmq/bin/rabbitmq-server ] || missing="$missing rabbitmq-server"
+	command -v redis-server >/dev/null 2>&1 || missing="$missing redis-server"
+fi
+if [ -n "$missing" ]; then
 	sudo=""
 	[ "$(id -u)" -eq 0 ] || sudo="sudo"
 	echo "installing:$missing"
@@ -93,6 +106,9 @@ sh "$root/test/cluster.sh" start "$pgdir" "$port" 'idem.purge_enabled = off' >"$
 
 export PGHOST="$pgdir" PGPORT="$port" PGUSER=postgres PGDATABASE=postgres
 export IDEM_TEST_PIDFILE="$pids"
+if [ "$brokers" = yes ]; then
+	brokers_start "$work/brokers" || fail_setup "could not start the brokers (RabbitMQ, Redis) for test/inbox.test.js"
+fi
 psql -X -q -v ON_ERROR_STOP=1 -c 'CREATE EXTENSION idem' >"$work/psql.log" 2>&1 ||
 	{ cat "$work/psql.log" >&2; fail_setup "CREATE EXTENSION idem failed (is it installed? make && make install)"; }
 
@@ -155,7 +171,7 @@ if [ -f "$runner" ] && [ -z "${IDEM_NODE_TESTS:-}" ]; then
 		done
 		if [ -s "$work/conf.ready" ]; then
 			app_port=$(cat "$work/conf.ready")
-			python3 "$runner" --url "http://127.0.0.1:$app_port" \
+			python3 "$runner" --url "http://127.0.0.1:$app_port" --expect batch \
 				--dsn "host=$pgdir port=$port user=postgres dbname=postgres" 2>&1 | tee "$work/conf.log"
 			summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/conf.log" | tail -n 1)
 			if [ -n "$summary" ]; then

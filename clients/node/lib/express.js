@@ -286,6 +286,61 @@ class ResponseNotStored extends Error {
 }
 
 /**
+ * req.idempotency.items(items, handler, { key, fingerprint }): the items of
+ * a batch request (doc/http.md, "Batches"), each under a key of its own in
+ * the envelope's scope: key(item, index) when given (a key the client
+ * sent per item), else `<envelope key>:<index>`; its fingerprint
+ * fingerprint(item, index), by default the SHA-256 of JSON.stringify(item).
+ * One idem_begin_many claims them all and one idem_complete_many stores
+ * the answers of those whose handler(item, index, claim) ran: { status,
+ * body } with body any JSON value.  Resolves to { results, retry }:
+ * results in input order, { index, key, status, body, replayed,
+ * duplicateOf }, a problem body for an item that did not run (409 in
+ * flight, 422 reused with another item, 503 store unavailable, 500 its
+ * handler threw and its claim was released); retry is true if any item
+ * should run again (409, 500, 503): answer the envelope with a status the
+ * replay policy does not store (503), so that a retry with the same
+ * Idempotency-Key runs it again, replaying the items that are done.
+ * Default mode only.
+ */
+async function batchItems(ctx, items, handler, opts = {}) {
+  if (!ctx.guard) throw new TypeError('req.idempotency.items() needs the default mode (not transactional: true)');
+  if (!Array.isArray(items)) throw new TypeError('items must be an array');
+  const keyOf = opts.key || ((item, i) => `${ctx.key}:${i}`);
+  const fpOf = opts.fingerprint || ((item) => crypto.createHash('sha256').update(JSON.stringify(item) ?? '').digest('hex'));
+  const list = items.map((item, i) => {
+    const key = keyOf(item, i);
+    if (typeof key !== 'string' || key === '') throw new TypeError(`the key of item ${i} must be a non-empty string`);
+    return { key, fingerprint: String(fpOf(item, i)) };
+  });
+  const done = await ctx.guard.doMany(list, async (claim, it, i) => {
+    const r = await handler(items[i], i, claim);
+    if (r == null || !Number.isInteger(r.status)) throw new TypeError('an item\'s handler must return { status, body }');
+    return { status: r.status, body: Buffer.from(JSON.stringify(r.body ?? null)) };
+  }, { ...ctx.overrides, notStored: undefined, scope: ctx.scope });
+  const itemProblem = (status, title, detail) => ({ status, body: { type: 'about:blank', title, status, detail } });
+  const results = done.map((r, i) => {
+    const base = { index: i, key: list[i].key, replayed: r.outcome === Outcome.REPLAYED, duplicateOf: r.duplicateOf };
+    if (r.error == null && r.response) {
+      let body = null;
+      try {
+        body = r.response.body == null ? null : JSON.parse(r.response.body.toString('utf8'));
+      } catch {
+        body = r.response.body.toString('utf8');
+      }
+      return { ...base, status: r.response.status, body };
+    }
+    if (r.outcome === Outcome.CONFLICT) return { ...base, ...itemProblem(422, 'item key reused', 'this item\'s key was used with another item') };
+    if (r.outcome === Outcome.IN_FLIGHT) return { ...base, ...itemProblem(409, 'item in flight', 'this item is being processed by another request') };
+    if (r.outcome === Outcome.EXPIRED) return { ...base, ...itemProblem(410, 'item expired', 'this item was processed once; its answer is no longer kept') };
+    if (r.failedStep === 'handler') return { ...base, ...itemProblem(500, 'item failed', 'this item was not processed; retry the request') };
+    return { ...base, ...itemProblem(503, 'store unavailable', 'this item was not processed; retry the request') };
+  });
+  const retry = done.some((r) => r.error != null || r.outcome === Outcome.IN_FLIGHT || r.outcome === Outcome.UNAVAILABLE);
+  return { results, retry };
+}
+
+/**
  * Run the rest of the chain under the claim and capture the response.
  * Writes go out as they come; the final end() is held until the guard has
  * stored the response, so a client that has the answer finds it stored.
@@ -298,6 +353,7 @@ function runCaptured(req, res, next, claim, capture, ctx) {
     req.idempotency = { key: ctx.key, scope: ctx.scope, token: claim.token, signal, replayed: false };
     if (ctx.oasis) res.setHeader('Repeatability-Result', 'accepted'); // the handler's answer
     if (claim.client) req.idempotency.client = claim.client;
+    req.idempotency.items = (items, handler, opts) => batchItems(ctx, items, handler, opts);
     if (typeof claim.step === 'function') {
       req.idempotency.step = claim.step;
       req.idempotency.stepTx = claim.stepTx;
@@ -584,7 +640,9 @@ function idempotency(poolOrGuard, options = {}) {
     const sc = principal ? callerScope(tenant, who, maxKeyLength) : tenant;
 
     const capture = {};
-    const ctx = { key, scope: sc, storedHeaders: stored, storeStatus, oasis };
+    const ctx = {
+      key, scope: sc, storedHeaders: stored, storeStatus, oasis, guard: transactional ? null : guard, overrides,
+    };
     let result;
     if (transactional) {
       try {

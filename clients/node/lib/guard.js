@@ -9,6 +9,7 @@ const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./op
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 const { transaction } = require('./transaction');
 const { Steps } = require('./steps');
+const { doMany, transactionMany } = require('./batch');
 
 /** Extra time the client gives the server to report its own timeout. */
 const CLIENT_GRACE_MS = 1000;
@@ -454,6 +455,24 @@ class Guard {
     } finally {
       client.release(destroy ? true : undefined);
     }
+  }
+
+  /**
+   * Many keys at once: one idem_begin_many claims every item
+   * ({ key, fingerprint }), handler(claim, item, index) runs for each item
+   * claimed (options.concurrency at a time, 1 by default), one
+   * idem_complete_many stores their responses.  Resolves to one result per
+   * item, in input order, as do() answers it, with index and duplicateOf
+   * (a key repeated in the batch runs once: its later occurrences get the
+   * first one's result, duplicateOf its index).  See lib/batch.js.
+   */
+  doMany(items, handler, overrides) {
+    return doMany(this, items, handler, overrides);
+  }
+
+  /** The one-transaction helper for a batch with this guard's options; see transactionMany(). */
+  transactionMany(client, items, handler, overrides) {
+    return transactionMany(client, items, handler, { ...this.options, ...(overrides || {}) });
   }
 
   /** The one-transaction helper with this guard's options; see transaction(). */

@@ -101,6 +101,11 @@ class Store {
         ' $6::interval, $7::text)')} AS expires_at_ms`,
       release: `SELECT ${s}.idem_release($1::text, $2::bigint, $3::text) AS released`,
       extend: `SELECT ${epochMs(`${s}.idem_extend($1::text, $2::bigint, $3::interval, $4::text)`)} AS lease_until_ms`,
+      // The batch functions (idem 1.7): every argument, positional.
+      beginMany: `SELECT ${beginTimes} FROM ${s}.idem_begin_many($1::text[], $2::text[], $3::interval, $4::interval,` +
+        ' $5::text, $6::boolean, $7::interval, $8::interval, $9::text) b ORDER BY b.ordinality',
+      completeMany: `SELECT c.ordinality, ${epochMs('c.expires_at')} AS expires_at_ms FROM ${s}.idem_complete_many(` +
+        '$1::text[], $2::text[], $3::integer[], $4::bytea[], $5::bigint[], $6::interval, $7::text) c ORDER BY c.ordinality',
       lookup: `SELECT state, token, status, ${epochMs('lease_until')} AS lease_until_ms,` +
         ` ${epochMs('expires_at')} AS expires_at_ms, body_size FROM ${s}.idem_lookup($1::text, $2::text)`,
     };
@@ -121,7 +126,7 @@ class Store {
    * the schema option, or an update of an old version.
    */
   _notFound(text, nargs, err) {
-    const fn = /\.(idem_[a-z]+)\(/.exec(text)[1];
+    const fn = /\.(idem_[a-z_]+)\(/.exec(text)[1];
     return new IdemError(`idem: ${fn} not found in schema ${quoteIdent(this.schema)} (${err.code}: ${err.message});` +
       ' set the schema: option to the schema where CREATE EXTENSION idem put it,' +
       ' or if the version is old run ALTER EXTENSION idem UPDATE', { code: err.code, cause: err });
@@ -189,6 +194,45 @@ class Store {
       phase: row.claimed && row.phase != null && row.phase !== '' ? row.phase : null,
       phaseData: row.claimed && row.phase != null && row.phase !== '' ? (row.phase_data ?? null) : null,
     };
+  }
+
+  /**
+   * idem_begin_many: claim many keys of one scope in one statement; one
+   * answer per item, in input order: beginRow()'s fields with index (from
+   * 0) and duplicateOf (the index of the key's first occurrence for a
+   * DUPLICATE, or a CONFLICT within the batch; null otherwise).
+   */
+  async beginMany(client, {
+    keys, fingerprints, lease = null, retention = null, scope = '', wait = true, waitFor = 0, remember = null, holder = null,
+  }) {
+    if (!Array.isArray(keys) || !Array.isArray(fingerprints)) throw new TypeError('keys and fingerprints must be arrays');
+    keys.forEach((k, i) => checkText(k, `keys[${i}]`));
+    fingerprints.forEach((f, i) => checkText(f, `fingerprints[${i}]`));
+    const values = [keys, fingerprints, intervalParam(lease, 'lease'), intervalParam(retention, 'retention'),
+      checkText(scope, 'scope'), Boolean(wait), waitFor ? intervalParam(waitFor, 'waitFor') : null,
+      intervalParam(remember, 'remember'), holder == null ? null : checkText(holder, 'holder')];
+    const res = await this._query(client, this.sql.beginMany, values);
+    return res.rows.map((row) => ({
+      ...Store.beginRow(row),
+      index: row.ordinality - 1,
+      duplicateOf: row.duplicate_of == null ? null : row.duplicate_of - 1,
+    }));
+  }
+
+  /**
+   * idem_complete_many: store one response per item ({ key, fingerprint,
+   * status, body, token }), in one statement; returns each item's new
+   * expires_at, in input order.
+   */
+  async completeMany(client, { items, retention = null, scope = '' }) {
+    const keys = items.map((it, i) => checkText(it.key, `items[${i}].key`));
+    const fps = items.map((it, i) => checkText(it.fingerprint, `items[${i}].fingerprint`));
+    const statuses = items.map((it) => checkStatus(it.status));
+    const bodies = items.map((it) => toBuffer(it.body ?? null));
+    const tokens = items.map((it) => tokenParam(it.token ?? null));
+    const res = await this._query(client, this.sql.completeMany,
+      [keys, fps, statuses, bodies, tokens, intervalParam(retention, 'retention'), checkText(scope, 'scope')]);
+    return res.rows.map((r) => msDate(r.expires_at_ms));
   }
 
   /**

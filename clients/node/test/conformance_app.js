@@ -106,6 +106,23 @@ function createApp(pool, downPool, shortPool) {
       next(err);
     }
   });
+  // A batch (doc/http.md, "Batches"): the envelope under the request's key,
+  // each item under its own key ("key" in the item, else <key>:<index>),
+  // X-Conf-Fail-Item: i makes item i's handler throw; 503 while an item
+  // must run again.
+  app.post('/batch/orders', mw.plain, async (req, res, next) => {
+    try {
+      const fail = req.get('X-Conf-Fail-Item');
+      const { results, retry } = await req.idempotency.items((req.body && req.body.items) || [], async (item, i, claim) => {
+        if (fail !== undefined && Number(fail) === i) throw new Error(`item ${i} failed`);
+        const r = await pool.query('INSERT INTO conf_orders (key, route) VALUES ($1, $2) RETURNING id', [claim.key, 'batch']);
+        return { status: 201, body: { order: Number(r.rows[0].id) } };
+      }, { key: (item, i) => (item && typeof item.key === 'string' ? item.key : `${req.idempotency.key}:${i}`) });
+      res.status(retry ? 503 : 200).json({ results });
+    } catch (err) {
+      next(err);
+    }
+  });
   app.post('/plain/status/:code', mw.plain, status('status'));
   app.post('/store5xx/status/:code', mw.store5xx, status('store5xx'));
   return app;

@@ -10,7 +10,7 @@ const { pathToFileURL } = require('node:url');
 const NAMES = ['Guard', 'Outcome', 'Store', 'transaction', 'failTimes', 'idempotency', 'saveRawBody',
   'defaultFingerprint', 'parseKey', 'parseHttpDate', 'callerScope', 'NOT_STORED', 'IdemError', 'FingerprintMismatchError', 'TokenSupersededError', 'NoClaimError',
   'AlreadyCompletedError', 'CheckpointDataError', 'stepIdempotencyKey', 'UnavailableError', 'TimeoutError', 'toIdemError', 'isDatabaseError', 'isTransient',
-  'isRetryableTransaction'];
+  'isRetryableTransaction', 'transactionMany', 'inbox'];
 
 test('every name is exported to CommonJS and ESM; error classes form one hierarchy', async () => {
   const cjs = require('..');

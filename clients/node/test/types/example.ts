@@ -5,7 +5,7 @@ import express from 'express';
 import { Pool } from 'pg';
 import {
   idempotency, saveRawBody, Guard, Outcome, transaction, IdemError, TimeoutError, GuardResult,
-  isRetryableTransaction,
+  isRetryableTransaction, BatchResult, inbox,
 } from 'idem-pg';
 
 const pool = new Pool();
@@ -82,5 +82,24 @@ async function main(): Promise<void> {
   }
 }
 
+async function batches(): Promise<void> {
+  const guard = new Guard(pool);
+  const results: BatchResult[] = await guard.doMany([{ key: 'a', fingerprint: 'x' }, { key: 'b' }],
+    async (claim, item, index) => ({ status: 201, body: `${claim.key} ${item.key} ${index}` }), { concurrency: 2 });
+  console.log(results.map((r) => [r.index, r.outcome, r.duplicateOf]));
+  const box = inbox<{ id: string; qty: number }>(pool, {
+    queue: 'moves',
+    handle: async (m, c) => { await c.query('SELECT $1::integer', [m.qty]); },
+  });
+  const acked: boolean[] = (await box.process([{ id: 'm1', qty: 1 }])).map((r) => r.ack);
+  console.log(acked);
+}
+
+app.post('/batch', async (req, res) => {
+  const batch = await req.idempotency!.items([1, 2], async (item, i) => ({ status: 201, body: { item, i } }));
+  res.status(batch.retry ? 503 : 200).json(batch.results);
+});
+
 app.listen(0);
 void main();
+void batches();
