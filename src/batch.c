@@ -181,6 +181,18 @@ key_cmp(text *a, text *b)
 	return (alen > blen) - (alen < blen);
 }
 
+/*
+ * A key's place in lock_order's sort: its first eight bytes as a
+ * big-endian number (zero-padded; text holds no zero byte, so a key that
+ * is a prefix of another still sorts first), which settles most
+ * comparisons without following the key, and its input position.
+ */
+typedef struct SortItem
+{
+	uint64		prefix;
+	int			pos;
+} SortItem;
+
 /* The keys lock_order sorts positions of. */
 static text **sort_keys;
 
@@ -188,13 +200,29 @@ static text **sort_keys;
 static int
 item_cmp(const void *a, const void *b)
 {
-	int			ia = *(const int *) a;
-	int			ib = *(const int *) b;
-	int			cmp = key_cmp(sort_keys[ia], sort_keys[ib]);
+	const SortItem *sa = (const SortItem *) a;
+	const SortItem *sb = (const SortItem *) b;
+	int			cmp;
 
+	if (sa->prefix != sb->prefix)
+		return sa->prefix < sb->prefix ? -1 : 1;
+	cmp = key_cmp(sort_keys[sa->pos], sort_keys[sb->pos]);
 	if (cmp != 0)
 		return cmp;
-	return (ia > ib) - (ia < ib);
+	return (sa->pos > sb->pos) - (sa->pos < sb->pos);
+}
+
+/* The first eight bytes of a key, big-endian, zero-padded. */
+static uint64
+key_prefix(text *key)
+{
+	const uint8 *data = (const uint8 *) VARDATA_ANY(key);
+	int			len = Min(VARSIZE_ANY_EXHDR(key), 8);
+	uint64		prefix = 0;
+
+	for (int i = 0; i < 8; i++)
+		prefix = (prefix << 8) | (i < len ? data[i] : 0);
+	return prefix;
 }
 
 /* The positions of n keys in the order their rows are locked in. */
@@ -202,12 +230,19 @@ static int *
 lock_order(text **keys, int n)
 {
 	int		   *order = palloc(sizeof(int) * Max(n, 1));
+	SortItem   *items = palloc(sizeof(SortItem) * Max(n, 1));
 
 	for (int i = 0; i < n; i++)
-		order[i] = i;
+	{
+		items[i].prefix = key_prefix(keys[i]);
+		items[i].pos = i;
+	}
 	sort_keys = keys;
-	qsort(order, n, sizeof(int), item_cmp);
+	qsort(items, n, sizeof(SortItem), item_cmp);
 	sort_keys = NULL;
+	for (int i = 0; i < n; i++)
+		order[i] = items[i].pos;
+	pfree(items);
 	return order;
 }
 

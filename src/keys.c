@@ -129,15 +129,39 @@ holds_claim(KeyRow *row)
 		hash_search(xact_claims, &row->token, HASH_FIND, NULL) != NULL;
 }
 
+/*
+ * The last fingerprint text digested, up to FINGERPRINT_MEMO_LEN bytes,
+ * and its digest: a transaction's idem_complete passes the fingerprint its
+ * idem_begin passed, and a batch often passes one fingerprint for every
+ * item, so the same text is digested again and again.  SHA-256 is a
+ * function of the bytes alone: the memo answers only the same bytes.
+ */
+#define FINGERPRINT_MEMO_LEN 256
+static int	memo_len = -1;
+static char memo_text[FINGERPRINT_MEMO_LEN];
+static uint8 memo_digest[IDEM_FINGERPRINT_LEN];
+
 /* SHA-256 of the caller's fingerprint text, as a bytea. */
 bytea *
 idem_fingerprint_digest(text *fingerprint)
 {
 	bytea	   *digest = palloc(VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	const char *data = VARDATA_ANY(fingerprint);
+	int			len = VARSIZE_ANY_EXHDR(fingerprint);
 
-	idem_sha256((uint8 *) VARDATA_ANY(fingerprint),
-				VARSIZE_ANY_EXHDR(fingerprint), (uint8 *) VARDATA(digest));
 	SET_VARSIZE(digest, VARHDRSZ + IDEM_FINGERPRINT_LEN);
+	if (len == memo_len && memcmp(data, memo_text, len) == 0)
+	{
+		memcpy(VARDATA(digest), memo_digest, IDEM_FINGERPRINT_LEN);
+		return digest;
+	}
+	idem_sha256((const uint8 *) data, len, (uint8 *) VARDATA(digest));
+	if (len <= FINGERPRINT_MEMO_LEN)
+	{
+		memcpy(memo_text, data, len);
+		memcpy(memo_digest, VARDATA(digest), IDEM_FINGERPRINT_LEN);
+		memo_len = len;
+	}
 	return digest;
 }
 
