@@ -12,7 +12,8 @@
 # pytest with /usr/bin/python3 in the cluster's UTF8 database and again in
 # test/odd_database.sql's, then serves the conformance app
 # (tests/apps/conformance_*.py) for ASGI
-# (FastAPI, gunicorn with two uvicorn workers) and WSGI (Flask, gunicorn
+# (FastAPI, gunicorn with two uvicorn workers; its guards on psycopg, then
+# on asyncpg) and WSGI (Flask, gunicorn
 # with two workers), each on a free TCP port of 127.0.0.1 (gunicorn binds
 # port 0 and names the one it got), and runs test/http/conformance.py
 # against each.  Stops the cluster and every
@@ -29,7 +30,7 @@ dir=$(mktemp -d /tmp/idem-python.XXXXXX) || { echo "0 passed, 1 failed"; exit 1;
 
 # 1. Debian packages (python3 here is /usr/bin's; a pyenv on PATH does not
 #    see them).
-pkgs="python3 python3-psycopg python3-psycopg-pool python3-pytest \
+pkgs="python3 python3-psycopg python3-psycopg-pool python3-asyncpg python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
 	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15 \
 	gunicorn pgbouncer"
@@ -202,12 +203,13 @@ suite odd "$odd_dsn" "$@"
 # 5. The conformance runner against each stack's app under gunicorn.
 "$bindir/psql" -X -q -v ON_ERROR_STOP=1 -d "$dsn" -c 'CREATE TABLE conf_orders
 	(id bigserial PRIMARY KEY, key text NOT NULL, route text NOT NULL)' || failed=$((failed + 1))
-conform() { # NAME GUNICORN_ARGS...: serve, run the runner, stop
+conform() { # NAME DRIVER GUNICORN_ARGS...: serve, run the runner, stop
 	name=$1
-	shift
+	driver=$2
+	shift 2
 	# Port 0: the kernel gives gunicorn a free port, which it logs
 	# ("Listening at: http://127.0.0.1:PORT (PID)") before the app answers.
-	IDEM_CONF_DSN="$dsn" IDEM_CONF_DOWN_DSN="$IDEM_TEST_DOWN_DSN" \
+	IDEM_CONF_DSN="$dsn" IDEM_CONF_DOWN_DSN="$IDEM_TEST_DOWN_DSN" IDEM_TEST_DRIVER="$driver" \
 		PYTHONPATH="$here/src:$here/tests" \
 		"$py" -m gunicorn -w 2 -b 127.0.0.1:0 --chdir "$here/tests" \
 		--graceful-timeout 5 "$@" >"$dir/gunicorn-$name.log" 2>&1 &
@@ -260,8 +262,9 @@ conform() { # NAME GUNICORN_ARGS...: serve, run the runner, stop
 		tail -20 "$dir/gunicorn-$name.log"
 	fi
 }
-conform asgi -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
-conform wsgi apps.conformance_wsgi:app
+conform asgi psycopg -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
+conform asgi-asyncpg asyncpg -k uvicorn.workers.UvicornWorker apps.conformance_asgi:app
+conform wsgi psycopg apps.conformance_wsgi:app
 
 
 # 6. mypy over the package (its own count line, added to the total).

@@ -2,18 +2,24 @@
 
 One request: an idempotency key, an order INSERT and a ~100-byte
 response.  Three ways of making it take effect once, each through
-psycopg 3 from N worker processes, each worker on its own connection(s):
+psycopg 3 (--driver psycopg: redis-py) or asyncpg (--driver asyncpg:
+redis-py's asyncio client, with hiredis) from N worker processes, each
+worker on its own connection(s), one request at a time (asyncpg: one
+event loop and one task a process):
 
-- idem: the Python client's one-transaction helper, atomic(): claim,
-  INSERT, complete, one transaction.
+- idem: the Python client's one-transaction helper, atomic() (asyncpg:
+  atomic_async()): claim, INSERT, complete, one transaction.
 - table: a hand-written key table in the same transaction: INSERT ... ON
   CONFLICT DO NOTHING RETURNING, the INSERT, an UPDATE of the stored
   response; a replay reads the stored response.
-- redis: Redis SET NX beside PostgreSQL: SET key NX, the INSERT
-  (autocommit), SET key response; a replay GETs the response.  The
-  order and the response are not atomic: a process killed between the
-  INSERT and the second SET leaves the key "processing" (or, with a
-  lease, executes the order again).
+- redis: Redis SET NX beside PostgreSQL: SET key NX GET PX (one round
+  trip: claimed, or the value stored), the INSERT (autocommit), SET key
+  response PX.  The order and the response are not atomic: a process
+  killed between the INSERT and the second SET leaves the key
+  "processing" (or, with a lease, executes the order again).
+
+Every replay must answer the bytes of the key's first response, and
+every key must have made exactly one order; else the run exits 1.
 
 Each round runs, for each pattern in turn, new keys then replays of the
 same keys, so the patterns share the machine's state of the moment
@@ -26,8 +32,13 @@ children, by their /proc/PID/stat) and the Redis server, summed over the
 phase while every worker holds its connections open.  Client CPU: the
 workers' own (user + system) time in the phase, summed.
 
-    python3 test/bench/e2e.py --dsn DSN --redis-port PORT [--workers 8]
-        [--requests 2000] [--rounds 3] [--schema public]
+    python3 test/bench/e2e.py --dsn DSN --redis-port PORT --redis-pid PID
+        [--driver psycopg|asyncpg] [--setup] [--workers 8] [--requests 2000]
+        [--rounds 3] [--schema public]
+
+--setup drops and creates the tables (e2e_orders, e2e_keys); the other
+clients' runs (test/bench/e2e_go, e2e_node) use them after it, each
+with keys of its own prefix.
 """
 
 import argparse
@@ -40,11 +51,12 @@ import time
 import psycopg
 import redis
 
-from idem_pg import atomic
+from idem_pg import atomic, atomic_async
 
 BODY = b'{"order":"%d","status":"accepted","amount":4200,"currency":"EUR","items":[1,2,3]}'
 TICK = os.sysconf("SC_CLK_TCK")
 PHASES = ("new", "replay")
+TTL_MS = 86400000
 
 
 def setup(dsn):
@@ -82,16 +94,51 @@ def table_request(conn, r, key, schema):
 
 
 def redis_request(conn, r, key, schema):
-    if not r.set(key, b"processing", nx=True, ex=86400):
-        return r.get(key)
+    old = r.set(key, b"processing", nx=True, get=True, px=TTL_MS)
+    if old is not None:
+        return old
     row = conn.execute("INSERT INTO e2e_orders (key, amount) VALUES (%s, 4200) RETURNING id",
                        (key,)).fetchone()
     body = BODY % row[0]
-    r.set(key, body, ex=86400)
+    r.set(key, body, px=TTL_MS)
     return body
 
 
 PATTERNS = {"idem": idem_request, "table": table_request, "redis": redis_request}
+
+INSERT_ORDER_1 = "INSERT INTO e2e_orders (key, amount) VALUES ($1, 4200) RETURNING id"
+
+
+async def idem_request_async(conn, r, key, schema):
+    async with atomic_async(conn, key, "amount=4200", schema=schema) as tx:
+        if not tx.claimed:
+            return tx.response.body
+        body = BODY % await conn.fetchval(INSERT_ORDER_1, key)
+        await tx.complete(201, body)
+        return body
+
+
+async def table_request_async(conn, r, key, schema):
+    async with conn.transaction():
+        if await conn.fetchval("INSERT INTO e2e_keys (key) VALUES ($1) ON CONFLICT DO NOTHING"
+                               " RETURNING true", key) is None:
+            return await conn.fetchval("SELECT body FROM e2e_keys WHERE key = $1", key)
+        body = BODY % await conn.fetchval(INSERT_ORDER_1, key)
+        await conn.execute("UPDATE e2e_keys SET status = 201, body = $1 WHERE key = $2", body, key)
+        return body
+
+
+async def redis_request_async(conn, r, key, schema):
+    old = await r.set(key, b"processing", nx=True, get=True, px=TTL_MS)
+    if old is not None:
+        return old
+    body = BODY % await conn.fetchval(INSERT_ORDER_1, key)
+    await r.set(key, body, px=TTL_MS)
+    return body
+
+
+ASYNC_PATTERNS = {"idem": idem_request_async, "table": table_request_async,
+                  "redis": redis_request_async}
 
 
 def worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
@@ -104,19 +151,36 @@ def worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
         raise
 
 
+def checked(pattern, key, body, first):
+    """A new key's first response (kept), or a replay's: the same bytes."""
+    body = bytes(body) if body is not None else None
+    assert body is not None and body.startswith(b'{"order"'), (pattern, key, body)
+    if key in first:
+        if body != first[key]:
+            raise SystemExit("e2e: %s: the replay of %s differs: %r, first %r"
+                             % (pattern, key, body, first[key]))
+    else:
+        first[key] = body
+
+
 def run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
+    if args.driver == "asyncpg":
+        import asyncio
+        asyncio.run(run_worker_async(args, pattern, prefix, wid, ready, go, done, leave,
+                                     client_cpu))
+        return
     conn = psycopg.connect(args.dsn, autocommit=True)
     r = redis.Redis(port=args.redis_port) if pattern == "redis" else None
     handle = PATTERNS[pattern]
     keys = ["%s-%d-%d" % (prefix, wid, i) for i in range(args.requests)]
+    first = {}
     # A warm connection: the first statements prepare and plan.
     ready.wait()
     go.wait()
     for i, phase in enumerate(PHASES):
         cpu0 = time.process_time()
         for key in keys:
-            body = handle(conn, r, key, args.schema)
-            assert body is not None and body.startswith(b'{"order"'), (pattern, key, body)
+            checked(pattern, key, handle(conn, r, key, args.schema), first)
         client_cpu[len(PHASES) * wid + i] = time.process_time() - cpu0
         done[phase].wait()
         go.wait()
@@ -124,6 +188,32 @@ def run_worker(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
     conn.close()
     if r is not None:
         r.close()
+
+
+async def run_worker_async(args, pattern, prefix, wid, ready, go, done, leave, client_cpu):
+    # One task: the barriers may block the event loop.
+    import asyncpg
+    import redis.asyncio
+    d = psycopg.conninfo.conninfo_to_dict(args.dsn)
+    conn = await asyncpg.connect(host=d.get("host"), port=int(d.get("port") or 5432),
+                                 user=d.get("user"), database=d.get("dbname"))
+    r = redis.asyncio.Redis(port=args.redis_port) if pattern == "redis" else None
+    handle = ASYNC_PATTERNS[pattern]
+    keys = ["%s-%d-%d" % (prefix, wid, i) for i in range(args.requests)]
+    first = {}
+    ready.wait()
+    go.wait()
+    for i, phase in enumerate(PHASES):
+        cpu0 = time.process_time()
+        for key in keys:
+            checked(pattern, key, await handle(conn, r, key, args.schema), first)
+        client_cpu[len(PHASES) * wid + i] = time.process_time() - cpu0
+        done[phase].wait()
+        go.wait()
+    leave.wait()
+    await conn.close()
+    if r is not None:
+        await r.close()
 
 
 def cluster_cpu(dsn, redis_pid):
@@ -192,10 +282,12 @@ def measure(args, pattern, procs, ready, go, done, leave, client_cpu):
 
 def check(args, prefix_of):
     """Every request of every round made exactly one order."""
+    like = "py-%s-%s-%%" % (args.driver, args.run)
     with psycopg.connect(args.dsn, autocommit=True) as conn:
-        dup = conn.execute("SELECT count(*) FROM (SELECT key FROM e2e_orders GROUP BY key"
-                           " HAVING count(*) > 1) d").fetchone()[0]
-        total = conn.execute("SELECT count(*) FROM e2e_orders").fetchone()[0]
+        dup = conn.execute("SELECT count(*) FROM (SELECT key FROM e2e_orders WHERE key LIKE %s"
+                           " GROUP BY key HAVING count(*) > 1) d", [like]).fetchone()[0]
+        total = conn.execute("SELECT count(*) FROM e2e_orders WHERE key LIKE %s",
+                             [like]).fetchone()[0]
     want = len(prefix_of) * args.workers * args.requests
     if dup != 0 or total != want:
         raise SystemExit("e2e: %d orders for %d requests, %d keys with more than one" % (total, want, dup))
@@ -210,14 +302,19 @@ def main():
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--schema", default="public")
+    ap.add_argument("--driver", choices=("psycopg", "asyncpg"), default="psycopg")
+    ap.add_argument("--setup", action="store_true")
     args = ap.parse_args()
+    # keys of this run only, whatever the tables or Redis hold already
+    args.run = "%x" % int(time.time() * 1000)
 
-    setup(args.dsn)
+    if args.setup:
+        setup(args.dsn)
     results = {(p, ph): [] for p in PATTERNS for ph in PHASES}
     prefixes = []
     for rnd in range(args.rounds):
         for pattern in PATTERNS:
-            prefix = "%s%d" % (pattern, rnd)
+            prefix = "py-%s-%s-%s%d" % (args.driver, args.run, pattern, rnd)
             prefixes.append(prefix)
             for phase, value in run_pattern(args, pattern, prefix).items():
                 results[(pattern, phase)].append(value)

@@ -18,6 +18,8 @@ import pytest
 
 from idem_pg._common import text
 
+from drivers import ASYNC_DRIVERS
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SRC = os.path.join(os.path.dirname(HERE), "src")
 
@@ -56,6 +58,13 @@ def wait_for(predicate, timeout=30.0, step=0.02, what="condition"):
             return value
         time.sleep(step)
     raise AssertionError("timed out waiting for %s" % what)
+
+
+@pytest.fixture(params=ASYNC_DRIVERS)
+def adriver(request):
+    """The async tests run once with psycopg and once with asyncpg
+    (tests/drivers.py)."""
+    return request.param
 
 
 @pytest.fixture(scope="session")
@@ -171,8 +180,9 @@ def _record_pid(pid: int) -> None:
 class UvicornServer:
     """tests/apps/asgi_app.py under uvicorn, a real server process."""
 
-    def __init__(self, lease: float = 30.0):
+    def __init__(self, lease: float = 30.0, driver: str = "psycopg"):
         self.lease = lease
+        self.driver = driver
         self.proc = None
         self.port = None
 
@@ -189,6 +199,7 @@ class UvicornServer:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join([SRC, HERE])
         env["IDEM_TEST_LEASE"] = str(self.lease)
+        env["IDEM_TEST_DRIVER"] = self.driver
         env["PYTHONDONTWRITEBYTECODE"] = "1"
         with sock:
             self.proc = subprocess.Popen(
@@ -260,14 +271,22 @@ def asgi_server():
 
 
 @pytest.fixture(scope="session")
+def asgi_asyncpg_server():
+    server = UvicornServer(driver="asyncpg").start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
 def wsgi_server():
     server = WerkzeugServer().start()
     yield server
     server.stop()
 
 
-@pytest.fixture(params=["asgi", "wsgi"])
+@pytest.fixture(params=["asgi", "asgi_asyncpg", "wsgi"])
 def server(request):
     """Each HTTP test runs against the FastAPI/Starlette app under uvicorn
-    and against the Flask app under werkzeug."""
+    (its guards on psycopg, then on asyncpg) and against the Flask app
+    under werkzeug."""
     return request.getfixturevalue(request.param + "_server")

@@ -1,5 +1,5 @@
 """AsyncGuard: outcomes, the heartbeat, pools, and cancellation (the
-asyncio.wait_for trap of issue 15)."""
+asyncio.wait_for trap of issue 15), with each driver (psycopg, asyncpg)."""
 
 import asyncio
 import time
@@ -7,10 +7,10 @@ from datetime import timedelta
 
 import psycopg
 import pytest
-from psycopg_pool import AsyncConnectionPool
 
 from idem_pg import AsyncGuard, Outcome, Response, Timeout, Unavailable
 
+import drivers
 from conftest import lookup, new_key, wait_for
 from test_guard import FP, HB_LEASE, hold_uncommitted_claim
 
@@ -35,11 +35,11 @@ def lock_waiters(db):
                       " WHERE wait_event_type = 'Lock'").fetchone()[0]
 
 
-def test_outcomes(dsn, down_dsn, db):
+def test_outcomes(dsn, down_dsn, db, adriver):
     key = new_key()
 
     async def main():
-        g = AsyncGuard(dsn)
+        g = AsyncGuard(drivers.target(adriver, dsn))
         h = Calls(Response(201, b"\\x41\x00"))
         ex = await g.do(key, FP, h)
         rp = await g.do(key, FP, h)
@@ -47,7 +47,7 @@ def test_outcomes(dsn, down_dsn, db):
         other = new_key()
         await g.begin(other, FP)
         fl = await g.do(other, FP, h)
-        dn = await AsyncGuard(down_dsn, timeout=2).do(new_key(), FP, h)
+        dn = await AsyncGuard(drivers.target(adriver, down_dsn), timeout=2).do(new_key(), FP, h)
         return h, ex, rp, cf, fl, dn
 
     h, ex, rp, cf, fl, dn = asyncio.run(main())
@@ -60,11 +60,11 @@ def test_outcomes(dsn, down_dsn, db):
     assert lookup(db, key)["state"] == "DONE"
 
 
-def test_pool_source_and_heartbeat(dsn):
+def test_pool_source_and_heartbeat(dsn, adriver):
     key = new_key()
 
     async def main():
-        async with AsyncConnectionPool(dsn, min_size=2, max_size=4) as pool, \
+        async with drivers.pool(adriver, dsn, min_size=2, max_size=4) as pool, \
                 await psycopg.AsyncConnection.connect(dsn, autocommit=True) as watch:
             g = AsyncGuard(pool, lease=HB_LEASE, heartbeat=True)
             seen = {}
@@ -98,13 +98,13 @@ def test_pool_source_and_heartbeat(dsn):
     assert replay.outcome is Outcome.REPLAYED and replay.response.body == b"done"
 
 
-def test_wait_for_cancels_server_wait_and_leaves_no_orphan(dsn, db):
+def test_wait_for_cancels_server_wait_and_leaves_no_orphan(dsn, db, adriver):
     key = new_key()
     holder = hold_uncommitted_claim(dsn, key)
     h = Calls()
 
     async def main():
-        g = AsyncGuard(dsn, timeout=None)          # no server-side limit: only the cancel
+        g = AsyncGuard(drivers.target(adriver, dsn), timeout=None)          # no server-side limit: only the cancel
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(g.do(key, FP, h), 0.3)
 
@@ -143,13 +143,13 @@ def test_naive_wait_for_leaves_orphan_claim(dsn, db):
         conn.pgconn.finish()
 
 
-def test_server_side_timeout(dsn, db):
+def test_server_side_timeout(dsn, db, adriver):
     key = new_key()
     holder = hold_uncommitted_claim(dsn, key)
     h = Calls()
     try:
         start = time.monotonic()
-        r = asyncio.run(AsyncGuard(dsn, timeout=0.5).do(key, FP, h))
+        r = asyncio.run(AsyncGuard(drivers.target(adriver, dsn), timeout=0.5).do(key, FP, h))
         # a wait not bounded by timeout=0.5 would last at least the default 5 s
         assert time.monotonic() - start < 4.0
         assert r.outcome is Outcome.UNAVAILABLE and isinstance(r.error, Timeout)
@@ -161,7 +161,7 @@ def test_server_side_timeout(dsn, db):
     assert lookup(db, key) is None and h.n == 0
 
 
-def test_cancel_during_handler_releases_claim(dsn, db):
+def test_cancel_during_handler_releases_claim(dsn, db, adriver):
     key = new_key()
     started = {}
 
@@ -171,7 +171,7 @@ def test_cancel_during_handler_releases_claim(dsn, db):
         return Response(200, b"never")
 
     async def main():
-        g = AsyncGuard(dsn)
+        g = AsyncGuard(drivers.target(adriver, dsn))
         task = asyncio.ensure_future(g.do(key, FP, handler))
         while "token" not in started:
             await asyncio.sleep(0.01)

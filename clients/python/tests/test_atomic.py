@@ -10,6 +10,7 @@ import pytest
 from idem_pg import (ClaimNotCompleted, Guard, Outcome, Response, Timeout, Unavailable,
                      atomic, atomic_async)
 
+import drivers
 from conftest import lookup, new_key, setting, wait_for
 from test_guard import FP, hold_uncommitted_claim
 
@@ -148,18 +149,24 @@ def test_inside_callers_transaction_commits_with_it(dsn, db):
     assert lookup(db, key)["state"] == "DONE" and qty(db, sku) == 9
 
 
-def test_async_helper_and_cancelled_wait(dsn, db):
+def test_async_helper_and_cancelled_wait(dsn, db, adriver):
     key, sku = new_key(), new_key("sku")
     stock_row(db, sku)
 
     async def main():
-        async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        conn = await drivers.connect(adriver, dsn)
+        try:
             async with atomic_async(conn, key, FP) as tx:
                 assert tx.claimed
-                await conn.execute("UPDATE stock SET qty = qty - 1 WHERE sku = %s", [sku])
+                await drivers.fetchrow(conn, "UPDATE stock SET qty = qty - 1 WHERE sku = %s",
+                                       [sku])
                 await tx.complete(201, b"async")
             async with atomic_async(conn, key, FP) as tx:
                 assert tx.outcome is Outcome.REPLAYED and tx.response.body == b"async"
+            if adriver == "psycopg":
+                await conn.commit()
+        finally:
+            await conn.close()
 
     asyncio.run(main())
     assert qty(db, sku) == 9
@@ -168,7 +175,7 @@ def test_async_helper_and_cancelled_wait(dsn, db):
     holder = hold_uncommitted_claim(dsn, key2)
 
     async def cancelled():
-        conn = await psycopg.AsyncConnection.connect(dsn)
+        conn = await drivers.connect(adriver, dsn)
 
         async def claim():
             async with atomic_async(conn, key2, FP) as tx:
@@ -180,7 +187,7 @@ def test_async_helper_and_cancelled_wait(dsn, db):
 
     try:
         conn = asyncio.run(cancelled())
-        assert conn.closed
+        assert drivers.closed(conn)
         wait_for(lambda: db.execute("SELECT count(*) FROM pg_stat_activity"
                                     " WHERE wait_event_type = 'Lock'").fetchone()[0] == 0,
                  timeout=30, what="the wait to be cancelled")

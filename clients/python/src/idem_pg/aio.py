@@ -1,4 +1,4 @@
-"""The asyncio guard.
+"""The asyncio guard, on psycopg 3 or asyncpg (idem_pg._drivers).
 
 Same protocol as idem_pg.Guard.  Cancellation is the trap here: psycopg
 does not cancel a statement whose task is cancelled (asyncio.wait_for,
@@ -19,13 +19,13 @@ import threading
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional, cast
 
 import psycopg
-from psycopg import pq
 
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, BeginRow,
                       Claim, Outcome, Response, Result, Seconds, Statements, StepLog,
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       wait_seconds)
+from ._drivers import driver_errors, driver_of, is_asyncpg
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
 from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support
@@ -37,24 +37,11 @@ except ImportError:  # pragma: no cover
 
 log = logging.getLogger("idem_pg")
 
-_IDLE = pq.TransactionStatus.IDLE
-_IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
 
-
-async def abort_statement(conn: psycopg.AsyncConnection) -> None:
+async def abort_statement(conn: Any) -> None:
     """Cancel whatever the connection runs on the server, then close it
-    (psycopg cannot resume an interrupted statement; the server rolls the
-    open transaction back)."""
-    if conn.closed:
-        return
-    try:
-        await asyncio.get_running_loop().run_in_executor(None, conn.cancel)
-    except Exception:  # noqa: BLE001 - closing ends it too
-        pass
-    try:
-        await conn.close()
-    except Exception:  # noqa: BLE001
-        pass
+    (the server rolls the open transaction back)."""
+    await driver_of(conn).abort(conn)
 
 
 class _AsyncSource:
@@ -62,14 +49,18 @@ class _AsyncSource:
         self.target = target
         self.timeout = timeout
         self.lock: Optional[asyncio.Lock] = None
-        if not (isinstance(target, (str, psycopg.AsyncConnection))
+        # asyncpg: a Pool (created and awaited by the caller) or a Connection
+        self.asyncpg = is_asyncpg(target)
+        self.asyncpg_pool = self.asyncpg and hasattr(target, "acquire")
+        if not (isinstance(target, (str, psycopg.AsyncConnection)) or self.asyncpg
                 or (AsyncConnectionPool is not None and isinstance(target, AsyncConnectionPool))
                 or callable(target)):
             raise TypeError("AsyncGuard needs a conninfo string, a psycopg.AsyncConnection, "
-                            "a psycopg_pool.AsyncConnectionPool or an async connection factory")
+                            "a psycopg_pool.AsyncConnectionPool, an asyncpg Pool or "
+                            "Connection, or an async connection factory")
 
     @contextlib.asynccontextmanager
-    async def connection(self) -> AsyncIterator[psycopg.AsyncConnection]:
+    async def connection(self) -> AsyncIterator[Any]:
         t = self.target
         if isinstance(t, str):
             conn = await psycopg.AsyncConnection.connect(
@@ -78,11 +69,14 @@ class _AsyncSource:
                 yield conn
             finally:
                 await conn.close()
-        elif isinstance(t, psycopg.AsyncConnection):
+        elif self.asyncpg_pool:
+            async with t.acquire(timeout=self.timeout or 30.0) as conn:
+                yield conn
+        elif self.asyncpg or isinstance(t, psycopg.AsyncConnection):
             if self.lock is None:
                 self.lock = asyncio.Lock()
             async with self.lock:
-                if t.closed:
+                if driver_of(t).closed(t):
                     raise Unavailable("the guard's connection is closed")
                 yield t
         elif AsyncConnectionPool is not None and isinstance(t, AsyncConnectionPool):
@@ -135,7 +129,9 @@ class _AsyncHeartbeat:
 class AsyncGuard:
     """asyncio version of Guard; ``connection`` is a conninfo string, a
     ``psycopg_pool.AsyncConnectionPool`` (opened by the caller), an
-    ``AsyncConnection`` (one call at a time) or an async factory.
+    ``AsyncConnection`` (one call at a time), an asyncpg ``Pool`` (created
+    by the caller) or ``Connection`` (one call at a time), or an async
+    factory of either driver's connections (closed after each call).
     ``wait_for``: as for Guard; a cancelled task ends the server's wait."""
 
     def __init__(self, connection: Any, *, schema: str = "public",
@@ -162,33 +158,32 @@ class AsyncGuard:
         self.fault = fault
         self.clock_offset = clock_offset
 
-    async def _exec(self, conn: psycopg.AsyncConnection, query, params, on_row,
+    async def _exec(self, conn: Any, query, params, on_row,
                     offset_s: float, extra: float):
-        if conn.closed:
+        drv = driver_of(conn)
+        if drv.closed(conn):
             raise Unavailable("the connection is closed")
-        if conn.info.transaction_status != _IDLE:
+        if not drv.idle(conn):
             raise Unavailable("the connection is busy or inside a transaction: "
                               "a claim made there would not commit on its own")
         timeout = self.timeout + extra if self.timeout else None
         try:
-            opening = Statements.opening(conn.autocommit, timeout, offset_s)
+            opening = Statements.opening(drv.autocommit(conn), timeout, offset_s)
             if opening is not None:
                 # BEGIN and the SET LOCALs in one message (simple protocol)
-                await conn.execute(opening)
+                await drv.execute(conn, opening)
             # else the statement runs alone: on an autocommit connection it
             # is its own transaction, otherwise psycopg begins one.
             # Results in binary, as in Guard._exec.
-            async with conn.cursor(binary=True) as cur:
-                if timeout:
-                    # the server ends the wait at timeout; this is the backstop
-                    await asyncio.wait_for(cur.execute(query, params),
-                                           timeout + CANCEL_GRACE)
-                else:
-                    await cur.execute(query, params)
-                row = await cur.fetchone()
-                if on_row is not None:
-                    on_row(row)
-            await conn.commit()
+            if timeout:
+                # the server ends the wait at timeout; this is the backstop
+                row = await asyncio.wait_for(drv.fetchrow(conn, query, params),
+                                             timeout + CANCEL_GRACE)
+            else:
+                row = await drv.fetchrow(conn, query, params)
+            if on_row is not None:
+                on_row(row)
+            await drv.commit(conn)
             return row
         except asyncio.TimeoutError as exc:
             await asyncio.shield(abort_statement(conn))
@@ -197,12 +192,12 @@ class AsyncGuard:
             await asyncio.shield(abort_statement(conn))
             raise
         except BaseException:
-            if not conn.closed:
+            if not drv.closed(conn):
                 try:
-                    if conn.info.transaction_status in _IN_TX:
-                        await conn.rollback()
+                    if not drv.idle(conn):
+                        await drv.rollback(conn)
                 except Exception:  # noqa: BLE001
-                    await conn.close()
+                    await drv.abort(conn)
             raise
 
     async def _run(self, op: str, query, params, on_row=None,
@@ -294,7 +289,7 @@ class AsyncGuard:
                         [key, token, phase, data, self.scope if scope is None else scope])
 
     async def _step_tx(self, claim: Claim, name: str, fn: Callable[[Any], Any],
-                       conn: Optional[psycopg.AsyncConnection]) -> Any:
+                       conn: Any) -> Any:
         """AsyncClaim.step_tx: hold, fn(conn), checkpoint, in one transaction.
         A cancelled step cancels its statement and closes the connection
         (the transaction rolls back)."""
@@ -306,30 +301,30 @@ class AsyncGuard:
         async with self._source.connection() as own:
             return await self._step_tx_on(own, claim, name, fn)
 
-    async def _idem_call(self, cur: Any, op: str, query: Any, params: list) -> None:
+    async def _idem_call(self, conn: Any, op: str, query: Any, params: list) -> None:
+        drv = driver_of(conn)
         b = bounds(None, self.timeout)
         try:
             if b is not None:
-                await cur.execute(SET_BOUNDS, b)
-                prev = saved_bounds(await cur.fetchone())
-            await cur.execute(query, params)
+                prev = saved_bounds(await drv.fetchrow(conn, SET_BOUNDS, b))
+            await drv.fetchrow(conn, query, params)
             if b is not None:
-                await cur.execute(RESTORE, prev)
-        except psycopg.Error as exc:
+                await drv.fetchrow(conn, RESTORE, prev)
+        except driver_errors() as exc:
             raise not_found(translate(exc), self.sql.functions[op], self.sql.schema) from exc
 
-    async def _step_tx_on(self, conn: psycopg.AsyncConnection, claim: Claim, name: str,
+    async def _step_tx_on(self, conn: Any, claim: Claim, name: str,
                           fn: Callable[[Any], Any]) -> Any:
-        if conn.closed:
+        drv = driver_of(conn)
+        if drv.closed(conn):
             raise Unavailable("the connection is closed")
         offset = offset_text(offset_seconds(self.clock_offset))
         try:
-            async with conn.transaction():
-                async with conn.cursor() as cur:
-                    if offset is not None:
-                        await cur.execute(SET_CLOCK, [offset])
-                    await self._idem_call(cur, "hold", self.sql.hold,
-                                          [claim.key, claim.token, claim.scope])
+            async with drv.transaction(conn):
+                if offset is not None:
+                    await drv.fetchrow(conn, SET_CLOCK, [offset])
+                await self._idem_call(conn, "hold", self.sql.hold,
+                                      [claim.key, claim.token, claim.scope])
                 output = fn(conn)
                 if inspect.isawaitable(output):
                     output = await output
@@ -337,9 +332,8 @@ class AsyncGuard:
                 err = fault_error(self.fault, "checkpoint")
                 if err is not None:
                     raise err
-                async with conn.cursor() as cur:
-                    await self._idem_call(cur, "checkpoint", self.sql.checkpoint,
-                                          [claim.key, claim.token, name, data, claim.scope])
+                await self._idem_call(conn, "checkpoint", self.sql.checkpoint,
+                                      [claim.key, claim.token, name, data, claim.scope])
         except asyncio.CancelledError:
             await asyncio.shield(abort_statement(conn))
             raise

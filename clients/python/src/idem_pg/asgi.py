@@ -23,6 +23,7 @@ from ._common import Outcome, Response
 from ._http import (FIRST_SENT, REQUEST_ID, WINDOW_SQL, window_of_row,
                     HandlerFailed, Headers, NotStored,
                     Release, Settings, pack, twice)
+from ._drivers import driver_errors, driver_of
 from .aio import AsyncGuard
 from .atomic import atomic_async
 from .errors import IdemError, Timeout, transient, translate
@@ -35,9 +36,10 @@ except ImportError:  # pragma: no cover
 log = logging.getLogger("idem_pg")
 
 
-def idem_connection(request: Request) -> psycopg.AsyncConnection:
+def idem_connection(request: Request) -> Any:
     """The request's connection in transactional mode, inside the
-    transaction that holds the claim.  FastAPI:
+    transaction that holds the claim: the guard's driver's (a psycopg
+    AsyncConnection, or an asyncpg Connection).  FastAPI:
     ``conn: AsyncConnection = Depends(idem_connection)``."""
     conn = request.scope.get("state", {}).get("idem_connection")
     if conn is None:
@@ -119,8 +121,9 @@ class IdempotencyMiddleware:
             if w is None:
                 try:
                     async with self.guard._source.connection() as conn:
-                        async with conn.transaction():
-                            row = await (await conn.execute(WINDOW_SQL)).fetchone()
+                        drv = driver_of(conn)
+                        async with drv.transaction(conn):
+                            row = await drv.fetchrow(conn, WINDOW_SQL)
                 except Exception as exc:  # noqa: BLE001 - the store is down: no window
                     log.warning("the window (idem.default_retention) could not be read: %s", exc)
                     return None
@@ -334,7 +337,7 @@ class IdempotencyMiddleware:
             return
         except HandlerFailed as failed:
             raise failed.error              # rolled back; the framework answers 500
-        except (IdemError, psycopg.Error, OSError) as exc:
+        except driver_errors(IdemError, OSError) as exc:
             err = translate(exc)
             if not ran and isinstance(err, Timeout) and err.sqlstate == "55P03":
                 # the transaction of the first request still holds the key
@@ -365,16 +368,17 @@ class IdempotencyMiddleware:
         fixed "Response not stored" answer instead.  Returns expires_at,
         or None when the fixed answer was stored."""
         s = self.settings
+        drv = driver_of(conn)
         try:
-            async with conn.transaction():
+            async with drv.transaction(conn):
                 return await tx.complete(captured.status,
                                          pack(s.kept(captured.headers), captured.body))
-        except (IdemError, psycopg.Error) as exc:
+        except driver_errors(IdemError) as exc:
             err = cast(IdemError, translate(exc))
             if transient(err):
                 raise
         nope = s.not_stored
-        async with conn.transaction():
+        async with drv.transaction(conn):
             await tx.complete(nope.status, nope.body)
         log.warning("response for key %r not stored (%s: %s); a retry gets %d "
                     "\"Response not stored\"", key, err.sqlstate, err, nope.status)

@@ -33,16 +33,14 @@ import time
 from typing import Any, AsyncIterator, Callable, Iterator, Optional, cast
 
 import psycopg
-from psycopg import pq
 
 from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
                       Statements, bounds, check_wait, interval, ms, saved_bounds, seconds,
                       statements, wait_seconds)
-from .aio import abort_statement
+from ._drivers import driver_errors, driver_of
 from .errors import ClaimNotCompleted, not_found, retry_transaction, translate
 
 _SET_BOUNDS, _RESTORE, _bounds, _ms = SET_BOUNDS, RESTORE, bounds, ms
-_IDLE = pq.TransactionStatus.IDLE
 
 # The backoff between two attempts of atomic(..., retries=N), in seconds:
 # a random time from 0 to RETRY_BASE doubled for each retry, at most
@@ -131,20 +129,21 @@ class Atomic:
 
 
 class AsyncAtomic(Atomic):
+    """The claim inside the caller's transaction, on a psycopg
+    AsyncConnection or an asyncpg connection (idem_pg._drivers)."""
+
     async def complete(self, status: int, body: Any = b"", *,  # type: ignore[override]
                        retention: Seconds = None):
         query, args = self._complete_args(status, body, retention)
         bounds = _bounds(None, self.timeout)
+        conn, drv = self.conn, driver_of(self.conn)
         try:
-            async with self.conn.cursor(binary=True) as cur:
-                if bounds is not None:
-                    await cur.execute(_SET_BOUNDS, bounds)
-                    prev = saved_bounds(await cur.fetchone())
-                await cur.execute(query, args)
-                self.expires_at = (await cur.fetchone())[0]
-                if bounds is not None:
-                    await cur.execute(_RESTORE, prev)
-        except psycopg.Error as exc:
+            if bounds is not None:
+                prev = saved_bounds(await drv.fetchrow(conn, _SET_BOUNDS, bounds))
+            self.expires_at = cast(tuple, await drv.fetchrow(conn, query, args))[0]
+            if bounds is not None:
+                await drv.fetchrow(conn, _RESTORE, prev)
+        except driver_errors() as exc:
             raise _error(exc, "idem_complete", self._sql) from exc
         self.completed = True
         return self.expires_at
@@ -198,8 +197,9 @@ class _Retries:
         40P01 in a transaction this attempt opened (rolled back: the
         connection is idle again), retries left, and, with a timeout, the
         next attempt starting within it of the first."""
+        drv = driver_of(conn)
         if (self.number > self.retries or not fresh or not retry_transaction(exc)
-                or conn.closed or conn.info.transaction_status != _IDLE):
+                or drv.closed(conn) or not drv.idle(conn)):
             return False
         delay = random.uniform(0.0, min(RETRY_CAP, RETRY_BASE * 2 ** (self.number - 1)))
         if self.budget is not None and time.monotonic() + delay - self.start > self.budget:
@@ -223,7 +223,7 @@ class Attempt:
     def _enter(self) -> Any:
         if self._cm is not None:
             raise RuntimeError("an attempt of atomic() can be entered once")
-        self._fresh = self._conn.info.transaction_status == _IDLE
+        self._fresh = driver_of(self._conn).idle(self._conn)
         self._retries.begin()
         self._cm = self._open()
         return self._cm
@@ -403,15 +403,16 @@ def _claim(conn: psycopg.Connection, st: Statements, key: str, fingerprint: str,
                                     "rolled back" % key)
 
 
-def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
+def atomic_async(conn: Any, key: str, fingerprint: str, *,
                  schema: str = "public", lease: Seconds = None,
                  retention: Seconds = None, scope: str = "", wait: bool = True,
                  lock_timeout: Seconds = None, wait_for: Seconds = None,
                  timeout: Seconds = None, retries: int = 0,
                  remember: Seconds = None) -> AsyncAtomicBlock:
-    """asyncio version of atomic().  If the task is cancelled while the
-    claim waits, the wait is cancelled on the server and ``conn`` is closed
-    (its transaction rolls back): psycopg cannot resume the statement.
+    """asyncio version of atomic(), on a psycopg ``AsyncConnection`` or an
+    asyncpg ``Connection`` (a pool's included).  If the task is cancelled
+    while the claim waits, the wait is cancelled on the server and ``conn``
+    is closed (its transaction rolls back).
     ``retries`` as in atomic(), with ``async for attempt in
     atomic_async(...): async with attempt as tx: ...``."""
     st = statements(schema)
@@ -424,27 +425,25 @@ def atomic_async(conn: psycopg.AsyncConnection, key: str, fingerprint: str, *,
 
 
 @contextlib.asynccontextmanager
-async def _claim_async(conn: psycopg.AsyncConnection, st: Statements, key: str,
+async def _claim_async(conn: Any, st: Statements, key: str,
                        fingerprint: str, scope: str, retention: Seconds, timeout: Seconds,
                        query: Any, params: Any, bounds: Any) -> AsyncIterator[AsyncAtomic]:
     """One transaction of atomic_async()."""
-    async with conn.transaction():
+    drv = driver_of(conn)
+    async with drv.transaction(conn):
         tx = AsyncAtomic(conn, st, key, fingerprint, scope, retention, timeout)
         try:
-            async with conn.cursor(binary=True) as cur:
-                prev = None
-                if bounds is not None:
-                    await cur.execute(_SET_BOUNDS, bounds)
-                    prev = saved_bounds(await cur.fetchone())
-                await cur.execute(query, params)
-                tx.row = BeginRow.of(await cur.fetchone())
-                tx.row.outcome()        # a state this client does not know: Unavailable
-                if prev is not None:
-                    await cur.execute(_RESTORE, prev)
+            prev = None
+            if bounds is not None:
+                prev = saved_bounds(await drv.fetchrow(conn, _SET_BOUNDS, bounds))
+            tx.row = BeginRow.of(await drv.fetchrow(conn, query, params))
+            tx.row.outcome()        # a state this client does not know: Unavailable
+            if prev is not None:
+                await drv.fetchrow(conn, _RESTORE, prev)
         except asyncio.CancelledError:
-            await asyncio.shield(abort_statement(conn))
+            await asyncio.shield(drv.abort(conn))
             raise
-        except psycopg.Error as exc:
+        except driver_errors() as exc:
             raise _error(exc, "idem_begin", st) from exc
         yield tx
         if tx.claimed and not tx.completed:

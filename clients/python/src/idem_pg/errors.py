@@ -1,7 +1,7 @@
 """Exceptions named for idem's SQLSTATEs.
 
 Every exception the library raises for a server answer is an IdemError;
-the psycopg error it came from is its ``__cause__``.
+the driver's error it came from (psycopg's or asyncpg's) is its ``__cause__``.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ import asyncio
 from typing import Optional
 
 import psycopg
+
+from ._drivers import asyncpg_error
 
 try:  # the pool is optional
     from psycopg_pool import PoolTimeout, PoolClosed
@@ -172,7 +174,8 @@ def quote_ident(name: str) -> str:
 
 
 def translate(exc: BaseException) -> BaseException:
-    """Map a driver, pool or socket error to an IdemError (others unchanged)."""
+    """Map a driver (psycopg, asyncpg), pool or socket error to an IdemError
+    (others unchanged)."""
     if isinstance(exc, IdemError):
         return exc
     if isinstance(exc, psycopg.Error):
@@ -182,6 +185,18 @@ def translate(exc: BaseException) -> BaseException:
         if cls is None:
             if state is None or state[:2] in ("08", "57", "53", "58", "3D", "28"):
                 # no answer at all (connection), shutdown, resources, no database, auth
+                cls = Unavailable
+            else:
+                return exc
+        err = cls(message or cls.__name__, sqlstate=state)
+        err.__cause__ = exc
+        return err
+    pg = asyncpg_error(exc)
+    if pg is not None:
+        state, message = pg
+        cls = _BY_STATE.get(state or "")
+        if cls is None:
+            if state is None or state[:2] in ("08", "57", "53", "58", "3D", "28"):
                 cls = Unavailable
             else:
                 return exc

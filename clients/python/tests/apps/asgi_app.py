@@ -21,12 +21,15 @@ from starlette.applications import Starlette
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
+import drivers
 from idem_pg import AsyncGuard
 from idem_pg.asgi import IdempotencyMiddleware
 
 DSN = os.environ["IDEM_TEST_DSN"]
 DOWN_DSN = os.environ["IDEM_TEST_DOWN_DSN"]
 LEASE = float(os.environ.get("IDEM_TEST_LEASE", "30"))
+# The guards' driver (tests/drivers.py): psycopg, or asyncpg
+DRIVER = os.environ.get("IDEM_TEST_DRIVER", "psycopg")
 CLOCK = [0.0]     # idem.clock_offset in seconds, moved by POST /_test/clock
 
 
@@ -100,7 +103,7 @@ def endpoints(app: str):
 
 
 def guard(dsn: str) -> AsyncGuard:
-    return AsyncGuard(dsn, lease=LEASE, timeout=5, clock_offset=lambda: CLOCK[0],
+    return AsyncGuard(drivers.target(DRIVER, dsn), lease=LEASE, timeout=5, clock_offset=lambda: CLOCK[0],
                       wait_for=30)
 
 

@@ -28,11 +28,14 @@ import psycopg
 from fastapi import Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
+import drivers
 from idem_pg import AsyncGuard
 from idem_pg.asgi import IdempotencyMiddleware, idem_connection
 
 DSN = os.environ["IDEM_CONF_DSN"]
 DOWN_DSN = os.environ["IDEM_CONF_DOWN_DSN"]
+# The guards' driver (tests/drivers.py): psycopg, or asyncpg
+DRIVER = os.environ.get("IDEM_TEST_DRIVER", "psycopg")
 
 
 async def insert(request: Request, route: str, conn=None) -> int:
@@ -41,8 +44,7 @@ async def insert(request: Request, route: str, conn=None) -> int:
     key = request.state.idem_key
     q = "INSERT INTO conf_orders (key, route) VALUES (%s, %s) RETURNING id"
     if conn is not None:
-        cur = await conn.execute(q, [key, route])
-        return (await cur.fetchone())[0]
+        return (await drivers.fetchrow(conn, q, [key, route]))[0]
     async with await psycopg.AsyncConnection.connect(DSN, autocommit=True) as own:
         cur = await own.execute(q, [key, route])
         return (await cur.fetchone())[0]
@@ -77,7 +79,7 @@ def authorize(scope) -> bool:
 def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
             **settings) -> FastAPI:
     api = FastAPI()
-    guard = AsyncGuard(dsn, lease=lease, retention=retention, timeout=5)
+    guard = AsyncGuard(drivers.target(DRIVER, dsn), lease=lease, retention=retention, timeout=5)
     api.add_middleware(IdempotencyMiddleware, guard=guard, required=True,
                        principal=principal, **settings)
     status_route = "store5xx" if name == "store5xx" else "status"
@@ -85,7 +87,7 @@ def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
     if settings.get("transactional"):
         @api.post("/orders")
         async def tx_orders(request: Request,
-                            conn: psycopg.AsyncConnection = Depends(idem_connection)):
+                            conn=Depends(idem_connection)):
             n = await insert(request, name, conn)
             await steer(request)
             return order(n)
