@@ -21,6 +21,7 @@ from .errors import (AlreadyCompleted, BodyTooLarge, CheckpointUnreadable, Claim
                      InjectedFault, InvalidArgument, NoLiveClaim, Timeout, TokenSuperseded,
                      Unavailable, retry_transaction, translate)
 from .guard import Guard
+from . import inbox  # noqa: E402 - idem_pg.inbox
 
 __version__ = "0.1.0"
 
@@ -30,6 +31,6 @@ __all__ = [
     "BodyTooLarge", "CheckpointUnreadable", "Claim", "ClaimNotCompleted", "FailN",
     "FingerprintMismatch", "FunctionNotFound", "Guard", "IdemError", "InjectedFault", "InvalidArgument", "NoLiveClaim",
     "Outcome", "Response", "Result", "Step", "Timeout", "TokenSuperseded", "Unavailable",
-    "atomic", "atomic_async", "atomic_many", "atomic_many_async", "retry_transaction",
+    "atomic", "atomic_async", "atomic_many", "inbox", "atomic_many_async", "retry_transaction",
     "translate",
 ]
