@@ -200,3 +200,16 @@ class Batch:
             if dup is not None and self.rows[i].state == DUPLICATE:
                 self.results[i] = dataclasses.replace(self.results[dup], duplicate_of=dup)
         return self.results
+
+
+def batch_of(guard: Any, items: Any, scope: Optional[str], lease: Seconds,
+             retention: Seconds, wait: Optional[bool], wait_for: Seconds,
+             remember: Seconds, holder: Optional[str]) -> Batch:
+    """The Batch of a guard's do_many: the call's settings, else the guard's."""
+    wait = guard.wait if wait is None else wait
+    w = (guard.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
+    return Batch(guard.sql, as_items(items), scope=guard.scope if scope is None else scope,
+                 lease=guard.lease if lease is None else lease,
+                 retention=guard.retention if retention is None else retention,
+                 wait=bool(wait), wait_for=w,
+                 remember=guard.remember if remember is None else remember, holder=holder)

@@ -25,11 +25,11 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, Be
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       wait_seconds)
-from ._batch import Batch, finish_many_query
+from ._batch import Batch, batch_of, finish_many_query
 from ._drivers import driver_errors, driver_of, is_asyncpg
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
-from .guard import CANCEL_GRACE, Guard, _connect_timeout, _WaitForSupport, phase_support
+from .guard import CANCEL_GRACE, _connect_timeout, _WaitForSupport, phase_support
 
 try:
     from psycopg_pool import AsyncConnectionPool
@@ -455,7 +455,10 @@ class AsyncGuard:
 
     # -- batches -------------------------------------------------------------------
 
-    _batch = Guard._batch
+    def _batch(self, items: Any, scope: Optional[str], lease: Seconds, retention: Seconds,
+               wait: Optional[bool], wait_for: Seconds, remember: Seconds,
+               holder: Optional[str]) -> Batch:
+        return batch_of(self, items, scope, lease, retention, wait, wait_for, remember, holder)
 
     async def _store_each(self, b: Batch, error: BaseException, not_stored: Response) -> None:
         """As Guard._store_each."""

@@ -35,7 +35,7 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Clai
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       text, wait_seconds)
-from ._batch import Batch, as_items, finish_many_query
+from ._batch import Batch, batch_of, finish_many_query
 from .errors import (CLAIM_GONE, WHAT_TO_DO, AlreadyCompleted, FunctionNotFound,
                      Unavailable, not_found, quote_ident, translate, transient)
 
@@ -604,13 +604,7 @@ class Guard:
     def _batch(self, items: Any, scope: Optional[str], lease: Seconds, retention: Seconds,
                wait: Optional[bool], wait_for: Seconds, remember: Seconds,
                holder: Optional[str]) -> Batch:
-        wait = self.wait if wait is None else wait
-        w = (self.wait_for if wait else None) if wait_for is None else wait_seconds(wait_for)
-        return Batch(self.sql, as_items(items), scope=self.scope if scope is None else scope,
-                     lease=self.lease if lease is None else lease,
-                     retention=self.retention if retention is None else retention,
-                     wait=wait, wait_for=w,
-                     remember=self.remember if remember is None else remember, holder=holder)
+        return batch_of(self, items, scope, lease, retention, wait, wait_for, remember, holder)
 
     def _store_each(self, b: Batch, error: BaseException, not_stored: Response) -> None:
         """idem_complete_many was refused for good (a body over
