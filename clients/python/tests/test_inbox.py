@@ -12,6 +12,7 @@ import pytest
 import drivers
 from conftest import new_key
 from idem_pg import Outcome
+from idem_pg._common import text
 from idem_pg.inbox import Message, process_batch, process_batch_async
 
 
@@ -22,8 +23,9 @@ def effects(db):
 
 
 def count(db, queue):
-    return dict(db.execute("SELECT msg_id, count(*) FROM inbox_effects WHERE queue = %s"
-                           " GROUP BY msg_id", [queue]).fetchall())
+    rows = db.execute("SELECT msg_id, count(*) FROM inbox_effects WHERE queue = %s"
+                      " GROUP BY msg_id", [queue]).fetchall()
+    return {text(k): n for k, n in rows}
 
 
 def test_process_batch(dsn, effects):

@@ -14,6 +14,7 @@ import drivers
 from conftest import lookup, new_key
 from idem_pg import (AsyncGuard, Guard, InvalidArgument, Outcome, Response, atomic_many,
                      atomic_many_async)
+from idem_pg._common import text
 from test_round_trips import Traced
 
 
@@ -162,8 +163,9 @@ def test_atomic_many_savepoint_per_item(dsn, db, business):
         (Outcome.EXECUTED, None, None), (Outcome.EXECUTED, "handler", None),
         (Outcome.EXECUTED, None, None), (Outcome.EXECUTED, None, 0)]
     assert res[3].response == Response(201, b"done0")
-    effects = db.execute("SELECT key, item FROM batch_effects WHERE key = ANY(%s)"
-                         " ORDER BY item", [keys]).fetchall()
+    effects = [(text(k), n) for k, n in db.execute(
+        "SELECT key, item FROM batch_effects WHERE key = ANY(%s) ORDER BY item",
+        [keys]).fetchall()]
     assert effects == [(keys[0], 0), (keys[2], 2)]
     assert lookup(db, keys[1]) is None
     assert [lookup(db, k)["state"] for k in (keys[0], keys[2])] == ["DONE", "DONE"]

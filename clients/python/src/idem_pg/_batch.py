@@ -47,7 +47,7 @@ _BEGIN_MANY = (
 # those whose handler failed, in one statement.
 _FINISH_MANY = (
     "SELECT (SELECT pg_catalog.array_agg(c.expires_at ORDER BY c.ordinality)"
-    " FROM {}.idem_complete_many(%s::text[], %s::text[], %s::integer[], %s::bytea[],"
+    " FROM {}.idem_complete_many(%s::text[], %s::text[], %s::integer[], %b::bytea[],"
     " %s::bigint[], %s::interval, %s::text) c),"
     " (SELECT pg_catalog.array_agg({}.idem_release(u.k, u.t, %s::text) ORDER BY u.n)"
     " FROM ROWS FROM (pg_catalog.unnest(%s::text[]), pg_catalog.unnest(%s::bigint[]))"
