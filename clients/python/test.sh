@@ -16,7 +16,8 @@
 # on asyncpg) and WSGI (Flask, gunicorn
 # with two workers), each on a free TCP port of 127.0.0.1 (gunicorn binds
 # port 0 and names the one it got), and runs test/http/conformance.py
-# against each.  Stops the cluster and every
+# against each, then the inbox's broker kill tests (inbox_kill.sh:
+# RabbitMQ and Redis streams, on free ports).  Stops the cluster and every
 # app server it started on exit and prints "N passed, N failed" for all of
 # it.  Exits non-zero on any failure.
 set -u
@@ -33,7 +34,7 @@ dir=$(mktemp -d /tmp/idem-python.XXXXXX) || { echo "0 passed, 1 failed"; exit 1;
 pkgs="python3 python3-psycopg python3-psycopg-pool python3-asyncpg python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
 	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15 \
-	gunicorn pgbouncer"
+	gunicorn pgbouncer rabbitmq-server redis-server python3-pika python3-redis"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
@@ -267,7 +268,20 @@ conform asgi-asyncpg asyncpg -k uvicorn.workers.UvicornWorker apps.conformance_a
 conform wsgi psycopg apps.conformance_wsgi:app
 
 
-# 6. mypy over the package (its own count line, added to the total).
+# 6. The inbox's broker kill tests (inbox_kill.sh): RabbitMQ and Redis
+#    streams, each started on free ports and stopped by the script.
+for broker in rabbitmq redis; do
+	echo "# inbox kill test: $broker"
+	line=$(sh "$here/inbox_kill.sh" "$broker" "$dsn")
+	echo "$line"
+	if echo "$line" | grep -q '^ok - '; then
+		passed=$((passed + 1))
+	else
+		failed=$((failed + 1))
+	fi
+done
+
+# 7. mypy over the package (its own count line, added to the total).
 tc=$(sh "$here/typecheck.sh")
 trc=$?
 echo "$tc"

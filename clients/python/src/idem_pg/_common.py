@@ -88,6 +88,12 @@ class Result:
     response's retention is over but the key is still remembered; the
     handler does not run, ``response`` is None and ``status`` is the
     status the first response had.
+
+    In a batch (do_many, atomic_many), ``duplicate_of`` is the position
+    (from 0) of an item's first occurrence when its key came earlier in
+    the same batch, else None: with the same fingerprint the item gets a
+    copy of that occurrence's Result (its handler does not run again),
+    with another one CONFLICT.
     """
 
     outcome: Outcome
@@ -103,6 +109,7 @@ class Result:
     expires_at: Optional[_dt.datetime] = None
     not_stored: bool = False
     status: Optional[int] = None
+    duplicate_of: Optional[int] = None
 
     @property
     def ok(self) -> bool:
@@ -461,7 +468,8 @@ class Statements:
         self.functions = {"begin": "idem_begin", "complete": "idem_complete",
                           "release": "idem_release", "extend": "idem_extend",
                           "lookup": "idem_lookup", "checkpoint": "idem_checkpoint",
-                          "hold": "idem_hold"}
+                          "hold": "idem_hold", "begin_many": "idem_begin_many",
+                          "complete_many": "idem_complete_many"}
         self.lookup = _render(
             "SELECT state, token, status, lease_until, expires_at, body_size"
             " FROM {}.idem_lookup(%s::text, %s::text)", s)

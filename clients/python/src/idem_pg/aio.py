@@ -25,6 +25,7 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, AsyncClaim, Be
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       wait_seconds)
+from ._batch import Batch, batch_of, finish_many_query
 from ._drivers import driver_errors, driver_of, is_asyncpg
 from .errors import (CLAIM_GONE, AlreadyCompleted, Timeout, Unavailable, not_found,
                      translate, transient)
@@ -451,3 +452,104 @@ class AsyncGuard:
                 await self._store_not_stored(result, key, fingerprint, token, retention,
                                              scope, not_stored)
         return result
+
+    # -- batches -------------------------------------------------------------------
+
+    def _batch(self, items: Any, scope: Optional[str], lease: Seconds, retention: Seconds,
+               wait: Optional[bool], wait_for: Seconds, remember: Seconds,
+               holder: Optional[str]) -> Batch:
+        return batch_of(self, items, scope, lease, retention, wait, wait_for, remember, holder)
+
+    async def _store_each(self, b: Batch, error: BaseException, not_stored: Response) -> None:
+        """As Guard._store_each."""
+        for i in b.claimed:
+            key, fp = b.items[i]
+            r = b.results[i]
+            token = cast(int, r.token)
+            if i in b.answers:
+                resp = b.answers[i]
+                try:
+                    r.expires_at = await self.complete(key, fp, resp.status, resp.body, token,
+                                                       retention=b.retention, scope=b.scope)
+                except Exception as exc:  # noqa: BLE001
+                    r.error, r.failed_step = translate(exc), "complete"
+                    if not transient(r.error) and not isinstance(r.error, AlreadyCompleted):
+                        await self._store_not_stored(r, key, fp, token, b.retention, b.scope,
+                                                     not_stored)
+            elif i in b.failed and i not in b.kept:
+                await self._release_quietly(r, key, token, b.scope)
+                r.error = b.failed[i]
+
+    async def _finish(self, b: Batch, not_stored: Response) -> None:
+        if not b.to_finish():
+            return
+        try:
+            b.finished(await self._run("complete_many", finish_many_query(self.sql),
+                                       b.finish_params()))
+        except Exception as exc:  # noqa: BLE001 - executed, not stored
+            err = translate(exc)
+            if transient(err) or isinstance(err, AlreadyCompleted):
+                b.store_failed(err)
+            else:
+                await self._store_each(b, err, not_stored)
+
+    async def do_many(self, items: Any,
+                      handler: Callable[[int, AsyncClaim], Awaitable[Any]], *,
+                      scope: Optional[str] = None, lease: Seconds = None,
+                      retention: Seconds = None, wait: Optional[bool] = None,
+                      wait_for: Seconds = None, remember: Seconds = None,
+                      holder: Optional[str] = None,
+                      not_stored: Response = NOT_STORED) -> "list[Result]":
+        """Guard.do_many with ``await handler(i, claim)``.  If the calling
+        task is cancelled while the claim waits, the server's wait is
+        cancelled and the claims already made are released; while a
+        handler runs, the responses stored so far are stored and the
+        other claims released, then the cancellation goes on."""
+        b = self._batch(items, scope, lease, retention, wait, wait_for, remember, holder)
+        if not b.items:
+            return []
+        offset_s = offset_seconds(self.clock_offset)
+        got: dict = {}
+
+        def seen(row: Any) -> None:
+            got["row"] = row
+
+        async def release_seen() -> None:
+            # claimed, and the COMMIT may have gone through
+            if "row" in got:
+                with contextlib.suppress(Exception):
+                    b.start(got["row"], offset_s)
+                    for i in b.claimed:
+                        await self._release_quietly(b.results[i], b.items[i][0],
+                                                    cast(int, b.results[i].token), b.scope)
+
+        try:
+            row = await self._run("begin_many", b.begin_query, b.begin_params, seen,
+                                  offset_s=offset_s, extra=b.wait_for or 0.0)
+            todo = b.start(row, offset_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(release_seen())
+            raise
+        except Exception as exc:  # noqa: BLE001 - no claim, no handler
+            await asyncio.shield(release_seen())
+            return b.unavailable(translate(exc))
+        interrupted: Optional[BaseException] = None
+        for i in todo:
+            if interrupted is not None:
+                b.raised(i, interrupted)
+                continue
+            key, fp = b.items[i]
+            br = b.rows[i]
+            claim = AsyncClaim(key, fp, b.scope, cast(int, br.token), phase=br.phase,
+                               _steps=StepLog(br.phase, br.phase_data), _guard=self)
+            try:
+                b.answered(i, as_response(await handler(i, claim)))
+            except BaseException as exc:
+                b.raised(i, exc, keep=self.keep_claim_on_error or claim._steps.checkpointed)
+                if not isinstance(exc, Exception):
+                    interrupted = exc
+        if interrupted is not None:
+            await asyncio.shield(self._finish(b, not_stored))
+            raise interrupted
+        await self._finish(b, not_stored)
+        return b.done()

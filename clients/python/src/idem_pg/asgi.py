@@ -234,6 +234,8 @@ class IdempotencyMiddleware:
             tenant = s.scope_of(self.guard.scope if tenant is None else tenant, principal)
         state = scope.setdefault("state", {})
         state["idem_key"] = key
+        # the scope of the key (the caller's), for http_batch's item keys
+        state["idem_scope"] = self.guard.scope if tenant is None else tenant
         captured = _Captured()
 
         async def replay_receive():

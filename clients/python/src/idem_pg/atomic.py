@@ -28,14 +28,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import random
 import time
-from typing import Any, AsyncIterator, Callable, Iterator, Optional, cast
+from typing import Any, AsyncIterator, Awaitable, Callable, Iterator, Optional, cast
 
 import psycopg
 
-from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Seconds,
-                      Statements, bounds, check_wait, interval, ms, saved_bounds, seconds,
+from ._batch import Batch, as_items, finish_many_query
+from ._common import (RESTORE, SET_BOUNDS, BeginRow, Outcome, Response, Result, Seconds,
+                      Statements, as_response, bounds, check_wait, interval, ms, saved_bounds, seconds,
                       statements, wait_seconds)
 from ._drivers import driver_errors, driver_of
 from .errors import ClaimNotCompleted, not_found, retry_transaction, translate
@@ -449,3 +451,192 @@ async def _claim_async(conn: Any, st: Statements, key: str,
         if tx.claimed and not tx.completed:
             raise ClaimNotCompleted("the block claimed %r but did not call complete(): "
                                     "rolled back" % key)
+
+
+# -- batches -------------------------------------------------------------------------
+
+
+def _many(conn: Any, items: Any, schema: str, lease: Seconds, retention: Seconds,
+          scope: str, wait: bool, lock_timeout: Seconds, wait_for: Seconds,
+          timeout: Seconds, remember: Seconds, holder: Optional[str]):
+    """The Batch of atomic_many and the bounds of its claim and its store."""
+    check_wait(wait, wait_for)
+    st = statements(schema)
+    b = Batch(st, as_items(items), lease=lease, retention=retention, scope=scope,
+              wait=wait, wait_for=wait_for, remember=remember, holder=holder)
+    w = b.wait_for or 0.0
+    claim_bounds = _bounds(None if lock_timeout is None else cast(float, seconds(lock_timeout)) + w,
+                           None if timeout is None else cast(float, seconds(timeout)) + w)
+    return st, b, claim_bounds, _bounds(None, seconds(timeout))
+
+
+def _bounded(cur: Any, bounds: Any, query: str, params: Any) -> Any:
+    """One statement under ``bounds`` (restored after it); its row."""
+    prev = None
+    if bounds is not None:
+        cur.execute(_SET_BOUNDS, bounds)
+        prev = saved_bounds(cur.fetchone())
+    cur.execute(query, params)
+    row = cur.fetchone()
+    if prev is not None:
+        cur.execute(_RESTORE, prev)
+    return row
+
+
+def atomic_many(conn: psycopg.Connection, items: Any, handler: Callable[[int], Any], *,
+                schema: str = "public", lease: Seconds = None, retention: Seconds = None,
+                scope: str = "", wait: bool = True, lock_timeout: Seconds = None,
+                wait_for: Seconds = None, timeout: Seconds = None, retries: int = 0,
+                remember: Seconds = None, holder: Optional[str] = None,
+                _before_store: Optional[Callable[[], Any]] = None) -> "list[Result]":
+    """A batch in one transaction on ``conn`` with the handlers' writes:
+    one Result per item of ``items`` ((key, fingerprint) pairs), in input
+    order.
+
+    One idem_begin_many call claims every key (the keys locked in the
+    server's order: two overlapping batches never deadlock); then, for
+    each claimed item in input order, ``handler(i)`` runs inside a
+    savepoint of its own and returns its Response (or (status, body));
+    one statement stores the responses (idem_complete_many) and releases
+    the claims of the items whose handler raised, and the transaction
+    commits (``conn.transaction()``: inside the caller's transaction, a
+    savepoint, and the caller commits).  A handler that raises rolls back
+    its own savepoint only: its writes are undone, its item is EXECUTED
+    with ``error`` and failed_step "handler" and its key is free again;
+    the other items commit.  Items not claimed answer REPLAYED, CONFLICT,
+    IN_FLIGHT (after waiting up to ``wait_for``, one deadline for the
+    batch), EXPIRED; a key repeated in the batch runs once and its later
+    occurrences get a copy of its Result (``duplicate_of``).  An error of
+    the claim, the store or the COMMIT raises (the whole batch rolled
+    back: nothing ran for good), after ``retries`` as in atomic().
+    ``lock_timeout`` and ``timeout`` bound the claim (+ wait_for) and the
+    store as in atomic()."""
+    st, b, claim_bounds, store_bounds = _many(conn, items, schema, lease, retention, scope,
+                                              wait, lock_timeout, wait_for, timeout,
+                                              remember, holder)
+    if not b.items:
+        return []
+    tries = _Retries(retries, timeout)
+    while True:
+        fresh = conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        tries.begin()
+        try:
+            return _atomic_many_once(conn, st, b, handler, claim_bounds, store_bounds,
+                                     _before_store)
+        except BaseException as exc:
+            if not tries.again(exc, conn, fresh):
+                raise
+        time.sleep(cast(float, tries.delay))
+
+
+def _atomic_many_once(conn: psycopg.Connection, st: Statements, b: Batch,
+                      handler: Callable[[int], Any], claim_bounds: Any, store_bounds: Any,
+                      before_store: Optional[Callable[[], Any]]) -> "list[Result]":
+    b.answers, b.failed, b.kept = {}, {}, set()
+    with conn.transaction():
+        try:
+            with conn.cursor(binary=True) as cur:
+                todo = b.start(_bounded(cur, claim_bounds, b.begin_query, b.begin_params))
+        except psycopg.Error as exc:
+            raise _error(exc, "idem_begin_many", st) from exc
+        for i in todo:
+            try:
+                with conn.transaction():
+                    resp = as_response(handler(i))
+            except Exception as exc:  # noqa: BLE001 - this item only
+                b.raised(i, exc)
+                continue
+            b.answered(i, resp)
+        if before_store is not None:
+            before_store()
+        if b.to_finish():
+            try:
+                with conn.cursor(binary=True) as cur:
+                    b.finished(_bounded(cur, store_bounds, finish_many_query(st),
+                                        b.finish_params()))
+            except psycopg.Error as exc:
+                raise _error(exc, "idem_complete_many", st) from exc
+    return b.done()
+
+
+def atomic_many_async(conn: Any, items: Any, handler: Callable[[int], Awaitable[Any]], *,
+                      schema: str = "public", lease: Seconds = None,
+                      retention: Seconds = None, scope: str = "", wait: bool = True,
+                      lock_timeout: Seconds = None, wait_for: Seconds = None,
+                      timeout: Seconds = None, retries: int = 0, remember: Seconds = None,
+                      holder: Optional[str] = None,
+                      _before_store: Optional[Callable[[], Any]] = None
+                      ) -> "Awaitable[list[Result]]":
+    """asyncio version of atomic_many(), on a psycopg ``AsyncConnection``
+    or an asyncpg ``Connection``, with ``await handler(i)``.  If the task
+    is cancelled while a statement runs, it is cancelled on the server and
+    ``conn`` closed (its transaction rolls back)."""
+    st, b, claim_bounds, store_bounds = _many(conn, items, schema, lease, retention, scope,
+                                              wait, lock_timeout, wait_for, timeout,
+                                              remember, holder)
+    return _atomic_many_async(conn, st, b, handler, claim_bounds, store_bounds,
+                              _Retries(retries, timeout), _before_store)
+
+
+async def _atomic_many_async(conn: Any, st: Statements, b: Batch,
+                             handler: Callable[[int], Awaitable[Any]], claim_bounds: Any,
+                             store_bounds: Any, tries: _Retries,
+                             before_store: Optional[Callable[[], Any]]) -> "list[Result]":
+    if not b.items:
+        return []
+    drv = driver_of(conn)
+    while True:
+        fresh = drv.idle(conn)
+        tries.begin()
+        try:
+            return await _atomic_many_async_once(conn, drv, st, b, handler, claim_bounds,
+                                                 store_bounds, before_store)
+        except asyncio.CancelledError:
+            await asyncio.shield(drv.abort(conn))
+            raise
+        except BaseException as exc:
+            if not tries.again(exc, conn, fresh):
+                raise
+        await asyncio.sleep(cast(float, tries.delay))
+
+
+async def _fetch_bounded(drv: Any, conn: Any, bounds: Any, query: str, params: Any) -> Any:
+    prev = None
+    if bounds is not None:
+        prev = saved_bounds(await drv.fetchrow(conn, _SET_BOUNDS, bounds))
+    row = await drv.fetchrow(conn, query, params)
+    if prev is not None:
+        await drv.fetchrow(conn, _RESTORE, prev)
+    return row
+
+
+async def _atomic_many_async_once(conn: Any, drv: Any, st: Statements, b: Batch,
+                                  handler: Callable[[int], Awaitable[Any]], claim_bounds: Any,
+                                  store_bounds: Any,
+                                  before_store: Optional[Callable[[], Any]]) -> "list[Result]":
+    b.answers, b.failed, b.kept = {}, {}, set()
+    async with drv.transaction(conn):
+        try:
+            todo = b.start(await _fetch_bounded(drv, conn, claim_bounds, b.begin_query,
+                                                b.begin_params))
+        except driver_errors() as exc:
+            raise _error(exc, "idem_begin_many", st) from exc
+        for i in todo:
+            try:
+                async with drv.transaction(conn):
+                    resp = as_response(await handler(i))
+            except Exception as exc:  # noqa: BLE001 - this item only
+                b.raised(i, exc)
+                continue
+            b.answered(i, resp)
+        if before_store is not None:
+            got = before_store()
+            if inspect.isawaitable(got):
+                await got
+        if b.to_finish():
+            try:
+                b.finished(await _fetch_bounded(drv, conn, store_bounds, finish_many_query(st),
+                                                b.finish_params()))
+            except driver_errors() as exc:
+                raise _error(exc, "idem_complete_many", st) from exc
+    return b.done()

@@ -35,6 +35,7 @@ from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Clai
                       as_response, bounds, check_wait, fault_error, interval,
                       offset_seconds, offset_text, saved_bounds, seconds, statements,
                       text, wait_seconds)
+from ._batch import Batch, batch_of, finish_many_query
 from .errors import (CLAIM_GONE, WHAT_TO_DO, AlreadyCompleted, FunctionNotFound,
                      Unavailable, not_found, quote_ident, translate, transient)
 
@@ -597,3 +598,97 @@ class Guard:
                 self._store_not_stored(result, key, fingerprint, token, retention,
                                        scope, not_stored)
         return result
+
+    # -- batches -------------------------------------------------------------------
+
+    def _batch(self, items: Any, scope: Optional[str], lease: Seconds, retention: Seconds,
+               wait: Optional[bool], wait_for: Seconds, remember: Seconds,
+               holder: Optional[str]) -> Batch:
+        return batch_of(self, items, scope, lease, retention, wait, wait_for, remember, holder)
+
+    def _store_each(self, b: Batch, error: BaseException, not_stored: Response) -> None:
+        """idem_complete_many was refused for good (a body over
+        idem.max_body_size): store the responses one by one, as do() does,
+        so that only the item at fault gets ``not_stored``; release the
+        failed items' claims."""
+        for i in b.claimed:
+            key, fp = b.items[i]
+            r = b.results[i]
+            token = cast(int, r.token)
+            if i in b.answers:
+                resp = b.answers[i]
+                try:
+                    r.expires_at = self.complete(key, fp, resp.status, resp.body, token,
+                                                 retention=b.retention, scope=b.scope)
+                except Exception as exc:  # noqa: BLE001
+                    r.error, r.failed_step = translate(exc), "complete"
+                    if not transient(r.error) and not isinstance(r.error, AlreadyCompleted):
+                        self._store_not_stored(r, key, fp, token, b.retention, b.scope,
+                                               not_stored)
+            elif i in b.failed and i not in b.kept:
+                self._release_quietly(r, key, token, b.scope)
+                r.error = b.failed[i]
+
+    def do_many(self, items: Any, handler: Callable[[int, Claim], Any], *,
+                scope: Optional[str] = None, lease: Seconds = None,
+                retention: Seconds = None, wait: Optional[bool] = None,
+                wait_for: Seconds = None, remember: Seconds = None,
+                holder: Optional[str] = None,
+                not_stored: Response = NOT_STORED) -> "list[Result]":
+        """Run ``handler(i, claim)`` at most once for each item of a batch
+        whose key it claims; one Result per item, in input order.
+
+        ``items``: (key, fingerprint) pairs.  One idem_begin_many call
+        commits the claims of the whole batch (one round trip, the keys
+        locked in the server's order), then the handlers of the claimed
+        items run one after another in input order, then one statement
+        stores their responses (idem_complete_many) and releases the claim
+        of every item whose handler raised (that item is EXECUTED with
+        failed_step "handler"; a retry of the batch runs it again, the
+        others replay).  The other items answer as do() would: REPLAYED,
+        CONFLICT, IN_FLIGHT (after waiting up to ``wait_for``, one deadline
+        for the whole batch), EXPIRED.  A key repeated in the batch is
+        claimed once, for its first occurrence; a later occurrence gets a
+        copy of its Result with ``duplicate_of`` set (CONFLICT if its
+        fingerprint differs).  If the claim fails, every item is
+        UNAVAILABLE and no handler runs.  ``holder`` is idem_begin_many's
+        (doc/sql.md, "Re-entrant holders").  No heartbeat: the lease must
+        cover the handlers of the whole batch."""
+        b = self._batch(items, scope, lease, retention, wait, wait_for, remember, holder)
+        if not b.items:
+            return []
+        offset_s = offset_seconds(self.clock_offset)
+        try:
+            row = self._run("begin_many", b.begin_query, b.begin_params, offset_s=offset_s,
+                            extra=b.wait_for or 0.0)
+            todo = b.start(row, offset_s)
+        except Exception as exc:  # noqa: BLE001 - no claim, no handler
+            return b.unavailable(translate(exc))
+        interrupted: Optional[BaseException] = None
+        for i in todo:
+            if interrupted is not None:
+                b.raised(i, interrupted)
+                continue
+            key, fp = b.items[i]
+            br = b.rows[i]
+            claim = Claim(key, fp, b.scope, cast(int, br.token), phase=br.phase,
+                          _steps=StepLog(br.phase, br.phase_data), _guard=self)
+            try:
+                b.answered(i, as_response(handler(i, claim)))
+            except BaseException as exc:
+                b.raised(i, exc, keep=self.keep_claim_on_error or claim._steps.checkpointed)
+                if not isinstance(exc, Exception):
+                    interrupted = exc
+        if b.to_finish():
+            try:
+                b.finished(self._run("complete_many", finish_many_query(self.sql),
+                                     b.finish_params()))
+            except Exception as exc:  # noqa: BLE001 - executed, not stored
+                err = translate(exc)
+                if transient(err) or isinstance(err, AlreadyCompleted):
+                    b.store_failed(err)
+                else:
+                    self._store_each(b, err, not_stored)
+        if interrupted is not None:
+            raise interrupted
+        return b.done()

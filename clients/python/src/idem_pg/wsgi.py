@@ -35,6 +35,8 @@ _REASONS = {200: "OK", 201: "Created", 400: "Bad Request", 403: "Forbidden", 409
 
 # What the middleware puts in the environ; a Flask app gets them in g too.
 ENVIRON_KEY = "idem_pg.key"
+# The scope of the request's key (the caller's), for http_batch's item keys.
+ENVIRON_SCOPE = "idem_pg.scope"
 ENVIRON_CLAIM = "idem_pg.claim"
 ENVIRON_CONNECTION = "idem_pg.connection"
 
@@ -213,6 +215,7 @@ class IdempotencyWSGIMiddleware:
         if s.principal is not None:
             tenant = s.scope_of(self.guard.scope if tenant is None else tenant, principal)
         environ[ENVIRON_KEY] = key
+        environ[ENVIRON_SCOPE] = self.guard.scope if tenant is None else tenant
         captured = {"status": 500, "headers": [], "body": b""}
 
         def start(status, headers, exc_info=None):
