@@ -512,16 +512,3 @@ test('round trips on the wire: a new key is two (the claim with its BEGIN and CO
   assert.equal(counter.n, 1);
   assert.equal((await lookup(pool, key, "it's \\scoped")).status, 201);
 });
-  const key = uniqueKey("it's \\a key");
-  const r = await guard.do(key, 'fp', async () => ({ status: 201, body: Buffer.from('once') }));
-  assert.equal(r.outcome, Outcome.EXECUTED);
-  assert.match(texts[0], /^BEGIN; SET LOCAL statement_timeout = 10000; SET LOCAL lock_timeout = 10000; SET LOCAL client_connection_check_interval = \d+; SELECT b\.\*.* FROM "public"\.idem_begin\( E'it''s \\\\a key-[^']*'::text, 'fp'::text/);
-  assert.equal(texts[1], 'COMMIT');
-  texts.length = 0;
-  const again = await guard.do(key, 'fp', async () => ({ status: 500 }));
-  assert.equal(again.outcome, Outcome.REPLAYED);
-  assert.equal(again.response.body.toString(), 'once');
-  assert.equal(texts.length, 2);
-  assert.equal(texts[1], 'COMMIT');
-  assert.equal((await lookup(pool, key, "it's \\scoped")).status, 201);
-});
