@@ -8,7 +8,7 @@ const { Store } = require('./store');
 const { around } = require('./pipeline');
 const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
-const { transaction } = require('./transaction');
+const { transaction, timeoutStatements, openingStatements } = require('./transaction');
 const { Steps } = require('./steps');
 const { doMany, transactionMany } = require('./batch');
 
@@ -411,37 +411,20 @@ class Guard {
     } catch (err) {
       throw toIdemError(err);
     }
-    const q = async (text, values) => {
-      try {
-        return await client.query(text, values);
-      } catch (err) {
-        throw toIdemError(err);
-      }
-    };
     let destroy = false;
     let ended = false;
     try {
-      await q('BEGIN');
-      let saved = null;
-      if (o.timeout > 0) {
-        saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
-          " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
-        await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
-      }
-      const offset = clockOffsetOf(o);
-      if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
-      await store.hold(client, { key, token, scope: o.scope });
-      if (saved) {
-        await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
-          ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
-      }
+      // BEGIN, the call's timeouts and clock offset, idem_hold and the
+      // transaction's own timeouts back for the step: one round trip.
+      const { opening, closing } = openingStatements(o, o.timeout, o.timeout, clockOffsetOf(o), store.prepare);
+      await around(client, opening, (c) => store.hold(c, { key, token, scope: o.scope }), closing, store.prepare);
       const { output, data } = await fn(client);
       fireFault(o, 'checkpoint');
-      if (o.timeout > 0) await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
-      await store.checkpoint(client, { key, token, phase: name, data, scope: o.scope });
-      const res = await q('COMMIT');
+      // The checkpoint with the timeout, and the COMMIT: one round trip.
+      const { results } = await around(client, timeoutStatements(o.timeout, o.timeout, store.prepare),
+        (c) => store.checkpoint(c, { key, token, phase: name, data, scope: o.scope }), [{ text: 'COMMIT' }], store.prepare);
       ended = true;
-      if (res && res.command === 'ROLLBACK') {
+      if (results[results.length - 1].command === 'ROLLBACK') {
         throw new IdemError(`step ${JSON.stringify(name)}: the transaction was rolled back: a statement in it failed`);
       }
       return output;
