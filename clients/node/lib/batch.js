@@ -2,6 +2,8 @@
 
 const { IdemError, toIdemError, storesNotStored, isRetryableTransaction, unknownState } = require('./errors');
 const { Store } = require('./store');
+const { around } = require('./pipeline');
+const { timeoutStatements, openingStatements } = require('./transaction');
 const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 
@@ -236,7 +238,7 @@ async function transactionMany(client, items, handler, options) {
 
 /** One transaction of transactionMany(): ROLLBACK unless it commits. */
 async function attemptMany(client, list, items, handler, o, attempt) {
-  const store = new Store({ schema: o.schema });
+  const store = new Store({ schema: o.schema, prepare: o.prepare });
   const q = async (text, values) => {
     try {
       return await client.query(text, values);
@@ -251,24 +253,17 @@ async function attemptMany(client, list, items, handler, o, attempt) {
   const budget = beginBudget(o, o.waitFor);
   const lockBudget = o.lockTimeout > 0 ? o.lockTimeout : budget;
   const offset = clockOffsetOf(o);
-  const opening = ['BEGIN'];
-  const bounded = budget > 0 || lockBudget > 0;
-  if (bounded) {
-    opening.push("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
-      " pg_catalog.current_setting('lock_timeout') AS lt",
-    `SET LOCAL statement_timeout = ${budget}`, `SET LOCAL lock_timeout = ${lockBudget}`);
-  }
-  if (offset !== 0) opening.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
+  // BEGIN, the timeouts, the clock offset, the claim and the session's
+  // timeouts back for the handlers: one round trip (lib/pipeline.js).
+  const { opening, closing } = openingStatements(o, budget, lockBudget, offset, store.prepare);
   let ended = false;
   try {
-    const opened = await q(opening.join('; '));
-    const saved = bounded ? (Array.isArray(opened) ? opened[1] : opened).rows[0] : null;
-    const rows = await store.beginMany(client, {
+    const { value: rows } = await around(client, opening, (c) => store.beginMany(c, {
       keys: list.map((it) => it.key),
       fingerprints: list.map((it) => it.fingerprint),
       lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor,
       remember: o.remember, holder: o.holder ?? null,
-    });
+    }), closing, store.prepare);
     const claimed = [];
     rows.forEach((row, i) => {
       unclaimedResult(row, results[i]);
@@ -280,11 +275,10 @@ async function attemptMany(client, list, items, handler, o, attempt) {
       answerDuplicates(rows, results);
       return results;
     }
-    if (saved) {
-      await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
-        ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
-    }
     const done = [];
+    // Each item's savepoint; the one before it, released, goes in the same
+    // message (the last is released by the COMMIT).
+    let held = false;
     for (const i of claimed) {
       const r = results[i];
       const row = rows[i];
@@ -295,34 +289,38 @@ async function attemptMany(client, list, items, handler, o, attempt) {
         key: list[i].key, fingerprint: list[i].fingerprint, scope: o.scope, index: i, token: row.token,
         leaseUntil: row.leaseUntil, client, attempt,
       };
-      await q('SAVEPOINT idem_item');
+      await q(held ? 'RELEASE SAVEPOINT idem_item; SAVEPOINT idem_item' : 'SAVEPOINT idem_item');
+      held = true;
       try {
         r.response = normalizeResponse(await handler(claim, items[i], i));
-        await q('RELEASE SAVEPOINT idem_item');
         done.push(i);
       } catch (err) {
         // Only this item is undone: its writes, then its claim.
         await q('ROLLBACK TO SAVEPOINT idem_item; RELEASE SAVEPOINT idem_item');
+        held = false;
         r.error = err;
         r.failedStep = 'handler';
         r.response = null;
         r.released = await store.release(client, { key: list[i].key, token: row.token, scope: o.scope });
       }
     }
+    // The complete: the timeouts, a savepoint, idem_complete_many and the
+    // COMMIT in one round trip.
+    let committed = null;
     if (done.length > 0) {
-      const pre = o.timeout > 0 ? [`SET LOCAL statement_timeout = ${o.timeout}`, `SET LOCAL lock_timeout = ${o.timeout}`] : [];
-      await q([...pre, 'SAVEPOINT idem_complete'].join('; '));
+      const pre = [...timeoutStatements(o.timeout, o.timeout, store.prepare), { text: 'SAVEPOINT idem_complete' }];
       try {
-        const expires = await store.completeMany(client, {
+        const { value: expires, results: sent } = await around(client, pre, (c) => store.completeMany(c, {
           items: done.map((i) => ({
             key: list[i].key, fingerprint: list[i].fingerprint, status: results[i].response.status,
             body: results[i].response.body, token: results[i].token,
           })),
           retention: o.retention, scope: o.scope,
-        });
+        }), [{ text: 'COMMIT' }], store.prepare);
+        committed = sent[sent.length - 1];
         done.forEach((i, j) => { results[i].expiresAt = expires[j]; });
       } catch (err) {
-        if (!storesNotStored(err)) throw err;
+        if (!storesNotStored(err) || err.pipelineIndex !== pre.length) throw err;
         // One response the server refuses for good: each item on its own,
         // the refused ones with the fixed answer.
         await q('ROLLBACK TO SAVEPOINT idem_complete');
@@ -347,7 +345,7 @@ async function attemptMany(client, list, items, handler, o, attempt) {
         }
       }
     }
-    const res = await q('COMMIT');
+    const res = committed ?? await q('COMMIT');
     ended = true;
     if (res && res.command === 'ROLLBACK') throw new IdemError('the transaction was rolled back: a statement in it failed');
     answerDuplicates(rows, results);

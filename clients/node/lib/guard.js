@@ -5,9 +5,10 @@ const {
   AlreadyCompletedError, toIdemError, isDatabaseError, isTransient, storesNotStored, unknownState,
 } = require('./errors');
 const { Store } = require('./store');
+const { around } = require('./pipeline');
 const { DEFAULTS, normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
-const { transaction } = require('./transaction');
+const { transaction, timeoutStatements, openingStatements } = require('./transaction');
 const { Steps } = require('./steps');
 const { doMany, transactionMany } = require('./batch');
 
@@ -91,7 +92,7 @@ class Guard {
     if (pool == null || typeof pool.connect !== 'function') throw new TypeError('Guard needs a pg.Pool');
     this.pool = pool;
     this.options = normalizeOptions(options);
-    this.store = new Store({ schema: this.options.schema });
+    this.store = new Store({ schema: this.options.schema, prepare: this.options.prepare });
     /** Until then (ms since the epoch) idem_begin is called without wait_for: the database has none. */
     this._noWaitForUntil = 0;
   }
@@ -103,18 +104,21 @@ class Guard {
   }
 
   /**
-   * Run fn(client) in its own transaction with the call's timeouts and
-   * clock offset, then commit.  Throws idem errors.  budget (ms) replaces
-   * o.timeout for the server's timeouts and the client's deadline of the
-   * call (not of the connect).  With claim (idem_begin's arguments), fn is
-   * store.begin and the claim goes in the message that opens the
-   * transaction, its values written in as literals, when the client can
-   * write them so (Store#beginLiteral).
+   * Run fn(client, store) in its own transaction with the call's timeouts
+   * and clock offset, then commit: BEGIN, the timeouts, the clock offset,
+   * fn's statement and COMMIT go in one round trip (lib/pipeline.js), fn's
+   * statement with its values as parameters, prepared once per connection
+   * (unless options.prepare is false).  fn is one Store call on the client
+   * it is given: the call's statement is taken from it and its answer
+   * handed back.  Throws idem errors.  budget (ms) replaces o.timeout for
+   * the server's timeouts and the client's deadline of the call (not of
+   * the connect).
    */
-  async _run(o, op, fn, budget = o.timeout, claim = null) {
+  async _run(o, op, fn, budget = o.timeout) {
     fireFault(o, op);
     const timeout = budget;
-    const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
+    const store = o.schema === this.store.schema && o.prepare === this.store.prepare
+      ? this.store : new Store({ schema: o.schema, prepare: o.prepare });
     const connecting = this.pool.connect();
     let client;
     try {
@@ -124,31 +128,29 @@ class Guard {
       throw toIdemError(err);
     }
     let destroy = false;
+    let sent = false;
     try {
-      const pre = ['BEGIN'];
+      const statements = [{ text: 'BEGIN' }];
       if (timeout > 0) {
-        pre.push(`SET LOCAL statement_timeout = ${timeout}`, `SET LOCAL lock_timeout = ${timeout}`,
-          `SET LOCAL client_connection_check_interval = ${CONNECTION_CHECK_MS}`);
+        statements.push({
+          text: 'SELECT pg_catalog.set_config(\'statement_timeout\', $1::text, true),' +
+            ' pg_catalog.set_config(\'lock_timeout\', $1::text, true),' +
+            ' pg_catalog.set_config(\'client_connection_check_interval\', $2::text, true)',
+          values: [String(timeout), String(CONNECTION_CHECK_MS)],
+          prepare: store.prepare,
+        });
       }
       const offset = clockOffsetOf(o);
-      if (offset !== 0) pre.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
-      const literal = claim ? store.beginLiteral(client, claim) : null;
+      if (offset !== 0) {
+        statements.push({ text: 'SELECT pg_catalog.set_config(\'idem.clock_offset\', $1::text, true)', values: [String(offset)] });
+      }
+      sent = true;
       const work = (async () => {
-        let r;
-        if (literal) {
-          let results;
-          try {
-            results = await client.query([...pre, literal.text].join('; '));
-          } catch (err) {
-            throw store.beginError(err, literal);
-          }
-          r = Store.beginRow(results[results.length - 1].rows[0]);
-        } else {
-          await client.query(pre.join('; '));
-          r = await fn(client, store);
+        const { value, results } = await around(client, statements, (c) => fn(c, store), [{ text: 'COMMIT' }], store.prepare);
+        if (results[results.length - 1].command === 'ROLLBACK') {
+          throw new IdemError('the transaction was rolled back: a statement in it failed');
         }
-        await client.query('COMMIT');
-        return r;
+        return value;
       })();
       // The server cancels at `timeout`; if no answer comes even then, the
       // link is cut, so the transaction can never commit.
@@ -159,7 +161,7 @@ class Guard {
     } catch (err) {
       if (!destroy) {
         if (connectionGone(err)) destroy = true;
-        else {
+        else if (sent) {
           try {
             await withDeadline(client.query('ROLLBACK'), timeout > 0 ? timeout + CLIENT_GRACE_MS : 0,
               () => cutConnection(client), 'ROLLBACK');
@@ -347,8 +349,7 @@ class Guard {
   async _begin(o, args) {
     let waitFor = o.waitFor;
     if (waitFor > 0 && this._noWaitForUntil > Date.now() && o.schema === this.store.schema) waitFor = 0;
-    const call = (w) => this._run(o, 'begin', (c, store) => store.begin(c, { ...args, waitFor: w }), beginBudget(o, w),
-      { ...args, waitFor: w });
+    const call = (w) => this._run(o, 'begin', (c, store) => store.begin(c, { ...args, waitFor: w }), beginBudget(o, w));
     try {
       return await call(waitFor);
     } catch (err) {
@@ -402,44 +403,28 @@ class Guard {
    */
   async _stepTx(o, key, token, name, fn) {
     fireFault(o, 'hold');
-    const store = o.schema === this.store.schema ? this.store : new Store({ schema: o.schema });
+    const store = o.schema === this.store.schema && o.prepare === this.store.prepare
+      ? this.store : new Store({ schema: o.schema, prepare: o.prepare });
     let client;
     try {
       client = await this.pool.connect();
     } catch (err) {
       throw toIdemError(err);
     }
-    const q = async (text, values) => {
-      try {
-        return await client.query(text, values);
-      } catch (err) {
-        throw toIdemError(err);
-      }
-    };
     let destroy = false;
     let ended = false;
     try {
-      await q('BEGIN');
-      let saved = null;
-      if (o.timeout > 0) {
-        saved = (await q("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
-          " pg_catalog.current_setting('lock_timeout') AS lt")).rows[0];
-        await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
-      }
-      const offset = clockOffsetOf(o);
-      if (offset !== 0) await q(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
-      await store.hold(client, { key, token, scope: o.scope });
-      if (saved) {
-        await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
-          ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
-      }
+      // BEGIN, the call's timeouts and clock offset, idem_hold and the
+      // transaction's own timeouts back for the step: one round trip.
+      const { opening, closing } = openingStatements(o, o.timeout, o.timeout, clockOffsetOf(o), store.prepare);
+      await around(client, opening, (c) => store.hold(c, { key, token, scope: o.scope }), closing, store.prepare);
       const { output, data } = await fn(client);
       fireFault(o, 'checkpoint');
-      if (o.timeout > 0) await q(`SET LOCAL statement_timeout = ${o.timeout}; SET LOCAL lock_timeout = ${o.timeout}`);
-      await store.checkpoint(client, { key, token, phase: name, data, scope: o.scope });
-      const res = await q('COMMIT');
+      // The checkpoint with the timeout, and the COMMIT: one round trip.
+      const { results } = await around(client, timeoutStatements(o.timeout, o.timeout, store.prepare),
+        (c) => store.checkpoint(c, { key, token, phase: name, data, scope: o.scope }), [{ text: 'COMMIT' }], store.prepare);
       ended = true;
-      if (res && res.command === 'ROLLBACK') {
+      if (results[results.length - 1].command === 'ROLLBACK') {
         throw new IdemError(`step ${JSON.stringify(name)}: the transaction was rolled back: a statement in it failed`);
       }
       return output;

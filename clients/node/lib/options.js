@@ -23,6 +23,7 @@ const DEFAULTS = Object.freeze({
   fault: null, // (op) => truthy to make that server call fail
   logger: null, // { warn(message) }: where a response not stored is reported; null: console
   notStored: null, // { status, body } stored when idem_complete refuses a response; null: NOT_STORED
+  prepare: true, // named prepared statements, parsed once per connection; false behind pgbouncer's transaction pooling
 });
 
 /** The defaults overridden by the options given (undefined: the default), checked. */

@@ -1,6 +1,7 @@
 'use strict';
 
 const { IdemError, toIdemError } = require('./errors');
+const { statementName } = require('./pipeline');
 
 /** A SQL identifier, double-quoted. */
 function quoteIdent(name) {
@@ -79,6 +80,10 @@ class Store {
     const s = quoteIdent(options.schema ?? 'public');
     const beginTimes = `b.*, ${epochMs('b.lease_until')} AS lease_until_ms, ${epochMs('b.expires_at')} AS expires_at_ms`;
     this.schema = options.schema ?? 'public';
+    // Named prepared statements (parsed once per connection), unless false:
+    // behind pgbouncer in transaction pooling, where a connection's
+    // statements are not the client's.
+    this.prepare = options.prepare !== false;
     // idem_begin with its arguments (parameters or literals), each cast to
     // its type.
     // With remember (a server with tombstones), the last of args is its
@@ -113,7 +118,7 @@ class Store {
 
   async _query(client, text, values) {
     try {
-      return await client.query({ text, values });
+      return await client.query(this.prepare ? { name: statementName(text), text, values } : { text, values });
     } catch (err) {
       if (err && (err.code === '42883' || err.code === '3F000')) throw this._notFound(text, values.length, err);
       throw toIdemError(err);
@@ -155,26 +160,16 @@ class Store {
   }
 
   /**
-   * begin()'s statement with its values written in as literals
-   * (client.escapeLiteral), for a message that carries other statements
-   * with it: the simple query protocol, which takes no parameters.  Null
-   * when the client cannot quote, or a value holds a NUL character (as a
-   * parameter it is refused with 22021; the text would end at it).
-   * Results: beginRow() of its row; errors: beginError().
+   * begin()'s statement for a pipeline (lib/pipeline.js): { text, values,
+   * prepare, call, nargs }.  Results: beginRow() of its row; errors:
+   * beginError().
    */
-  beginLiteral(client, args) {
-    if (typeof client.escapeLiteral !== 'function') return null;
-    const { text, values, remember } = this._beginCall(args);
-    if (values.some((v) => typeof v === 'string' && v.includes('\0'))) return null;
-    const literal = values.map((v) => {
-      if (v == null) return 'NULL';
-      if (typeof v === 'boolean') return v ? 'true' : 'false';
-      return client.escapeLiteral(v);
-    });
-    return { text: this._beginSql(literal, remember), call: text, nargs: values.length };
+  beginStatement(args) {
+    const { text, values } = this._beginCall(args);
+    return { text, values, prepare: this.prepare, call: text, nargs: values.length };
   }
 
-  /** The error of a beginLiteral() statement, as _query() throws it. */
+  /** The error of a beginStatement() statement in a pipeline, as _query() throws it. */
   beginError(err, { call, nargs }) {
     if (err && (err.code === '42883' || err.code === '3F000')) return this._notFound(call, nargs, err);
     return toIdemError(err);

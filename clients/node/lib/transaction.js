@@ -2,6 +2,7 @@
 
 const { IdemError, toIdemError, storesNotStored, isRetryableTransaction, unknownState } = require('./errors');
 const { Store } = require('./store');
+const { around } = require('./pipeline');
 const { normalizeOptions, clockOffsetOf, beginBudget } = require('./options');
 const { Outcome, normalizeResponse, NOT_STORED } = require('./outcome');
 
@@ -79,9 +80,49 @@ async function transaction(client, key, fingerprint, handler, options) {
   }
 }
 
+/**
+ * The statements that set statement_timeout and lock_timeout for the rest
+ * of the transaction (none when both are 0).
+ */
+function timeoutStatements(st, lt, prepare) {
+  if (!(st > 0) && !(lt > 0)) return [];
+  return [{
+    text: "SELECT pg_catalog.set_config('statement_timeout', $1::text, true), pg_catalog.set_config('lock_timeout', $2::text, true)",
+    values: [String(st), String(lt)],
+    prepare,
+  }];
+}
+
+/**
+ * The statements before a transaction's claim (BEGIN, the session's
+ * timeouts saved in the transaction's idem_client.* settings and the
+ * claim's bounds set, the clock offset) and after it (the session's
+ * timeouts back, for the handler).
+ */
+function openingStatements(o, budget, lockBudget, offset, prepare) {
+  const opening = [{ text: 'BEGIN' }];
+  const closing = [];
+  if (budget > 0 || lockBudget > 0) {
+    opening.push({
+      text: "SELECT pg_catalog.set_config('idem_client.statement_timeout', pg_catalog.current_setting('statement_timeout'), true)," +
+        " pg_catalog.set_config('idem_client.lock_timeout', pg_catalog.current_setting('lock_timeout'), true)",
+      prepare,
+    }, ...timeoutStatements(budget, lockBudget, prepare));
+    closing.push({
+      text: "SELECT pg_catalog.set_config('statement_timeout', pg_catalog.current_setting('idem_client.statement_timeout'), true)," +
+        " pg_catalog.set_config('lock_timeout', pg_catalog.current_setting('idem_client.lock_timeout'), true)",
+      prepare,
+    });
+  }
+  if (offset !== 0) {
+    opening.push({ text: "SELECT pg_catalog.set_config('idem.clock_offset', $1::text, true)", values: [String(offset)] });
+  }
+  return { opening, closing };
+}
+
 /** One transaction of transaction(): ROLLBACK unless it commits. */
 async function attemptTransaction(client, key, fingerprint, handler, o, attempt) {
-  const store = new Store({ schema: o.schema });
+  const store = new Store({ schema: o.schema, prepare: o.prepare });
   const q = async (text, values) => {
     try {
       return await client.query(text, values);
@@ -100,45 +141,14 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
     key, fingerprint, lease: o.lease, retention: o.retention, scope: o.scope, wait: o.wait, waitFor: o.waitFor, remember: o.remember,
   };
   // BEGIN, the session's timeouts saved and the claim's set, the clock
-  // offset and the claim itself: one message where the client can write
-  // the claim's values in as literals, else one statement at a time.
-  const opening = ['BEGIN'];
-  const bounded = budget > 0 || lockBudget > 0;
-  if (bounded) {
-    opening.push("SELECT pg_catalog.current_setting('statement_timeout') AS st," +
-      " pg_catalog.current_setting('lock_timeout') AS lt",
-    `SET LOCAL statement_timeout = ${budget}`, `SET LOCAL lock_timeout = ${lockBudget}`);
-  }
-  if (offset !== 0) opening.push(`SELECT pg_catalog.set_config('idem.clock_offset', '${offset}', true)`);
-  const literal = store.beginLiteral(client, args);
+  // offset, the claim itself and the session's timeouts put back for the
+  // handler: one round trip (lib/pipeline.js).
+  const { opening, closing } = openingStatements(o, budget, lockBudget, offset, store.prepare);
   let ended = false;
   try {
-    let saved = null;
-    let row;
-    if (literal) {
-      let results;
-      try {
-        results = await client.query([...opening, literal.text].join('; '));
-      } catch (err) {
-        throw store.beginError(err, literal);
-      }
-      if (bounded) saved = results[1].rows[0];
-      row = Store.beginRow(results[results.length - 1].rows[0]);
-    } else {
-      await q('BEGIN');
-      if (bounded) {
-        saved = (await q(opening[1])).rows[0];
-        await q(`${opening[2]}; ${opening[3]}`);
-      }
-      if (offset !== 0) await q(opening[opening.length - 1]);
-      row = await store.begin(client, args);
-    }
+    const { value: row } = await around(client, opening, (c) => store.begin(c, args), closing, store.prepare);
     // An answer that claims nothing is rolled back at once, its timeouts
-    // with it; a claim gets the session's back for the handler.
-    if (row.claimed && saved) {
-      await q('SELECT pg_catalog.set_config($1::text, $2::text, true), pg_catalog.set_config($3::text, $4::text, true)',
-        ['statement_timeout', saved.st, 'lock_timeout', saved.lt]);
-    }
+    // with it.
     if (!row.claimed) {
       await q('ROLLBACK');
       ended = true;
@@ -157,28 +167,28 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
 
     const claim = { key, fingerprint, scope: o.scope, token: row.token, leaseUntil: row.leaseUntil, client, attempt };
     const response = normalizeResponse(await handler(claim));
-    // The handler's statements are done: the complete gets the timeout, and
-    // a savepoint to fall back to if the response cannot be stored.
-    const pre = o.timeout > 0 ? [`SET LOCAL statement_timeout = ${o.timeout}`, `SET LOCAL lock_timeout = ${o.timeout}`] : [];
-    await q([...pre, 'SAVEPOINT idem_complete'].join('; '));
-    const complete = (r) => store.complete(client, {
+    // The handler's statements are done: the complete gets the timeout, a
+    // savepoint to fall back to if the response cannot be stored, and the
+    // COMMIT, in one round trip.
+    const pre = [...timeoutStatements(o.timeout, o.timeout, store.prepare), { text: 'SAVEPOINT idem_complete' }];
+    const complete = (c, r) => store.complete(c, {
       key, fingerprint, status: r.status, body: r.body, token: row.token, retention: o.retention, scope: o.scope,
     });
     let expiresAt;
     let notStored = false;
+    let results;
     try {
-      expiresAt = await complete(response);
+      ({ value: expiresAt, results } = await around(client, pre, (c) => complete(c, response), [{ text: 'COMMIT' }], store.prepare));
     } catch (err) {
-      if (!storesNotStored(err)) throw err;
-      await q('ROLLBACK TO SAVEPOINT idem_complete');
-      expiresAt = await complete(normalizeResponse(o.notStored || NOT_STORED));
+      if (!storesNotStored(err) || err.pipelineIndex !== pre.length) throw err;
+      ({ value: expiresAt, results } = await around(client, [{ text: 'ROLLBACK TO SAVEPOINT idem_complete' }],
+        (c) => complete(c, normalizeResponse(o.notStored || NOT_STORED)), [{ text: 'COMMIT' }], store.prepare));
       notStored = true;
       (o.logger || console).warn(`idem: the response to key ${JSON.stringify(key)} was not stored (${err.code}: ${err.message});` +
         ' stored "Response not stored" (500) for it instead');
     }
-    const res = await q('COMMIT');
     ended = true;
-    if (res && res.command === 'ROLLBACK') {
+    if (results[results.length - 1].command === 'ROLLBACK') {
       throw new IdemError('the transaction was rolled back: a statement in it failed');
     }
     return {
@@ -196,4 +206,4 @@ async function attemptTransaction(client, key, fingerprint, handler, o, attempt)
   }
 }
 
-module.exports = { transaction };
+module.exports = { transaction, timeoutStatements, openingStatements };

@@ -147,6 +147,46 @@ function deadPool() {
   return makePool({ host: process.env.IDEM_TEST_DOWN_HOST || '/nonexistent-idem-socket-dir', port: 1, connectionTimeoutMillis: 2000 });
 }
 
+/**
+ * Round trips counted on the wire: every request a node-pg client sends
+ * ends in one Sync (the extended protocol: a parameterized query, or
+ * lib/pipeline.js's statements together) or is one Query message (the
+ * simple protocol), and each is answered before the next is sent.
+ * count(client) counts client's from now on; counter.n is the total,
+ * counter.texts the SQL each carried (a Parse's text, a Query's),
+ * counter.restore() stops counting.  countingPool(pool, counter): a pool
+ * whose clients are counted while checked out.
+ */
+function wireCounter() {
+  const counter = { n: 0, texts: [], restores: [] };
+  counter.count = (client) => {
+    const con = client.connection;
+    const { sync, query, parse } = con;
+    con.sync = function countedSync(...a) { counter.n += 1; return sync.apply(this, a); };
+    con.query = function countedQuery(text, ...a) { counter.n += 1; counter.texts.push(text); return query.call(this, text, ...a); };
+    con.parse = function countedParse(q, ...a) { counter.texts.push(q.text); return parse.call(this, q, ...a); };
+    const restore = () => { con.sync = sync; con.query = query; con.parse = parse; };
+    counter.restores.push(restore);
+    return restore;
+  };
+  counter.reset = () => { counter.n = 0; counter.texts.length = 0; };
+  counter.restore = () => { counter.restores.splice(0).forEach((r) => r()); };
+  return counter;
+}
+
+function countingPool(pool, counter) {
+  return {
+    connect: async () => {
+      const c = await pool.connect();
+      const restore = counter.count(c);
+      const release = c.release;
+      c.release = (...a) => { restore(); c.release = release; return release.apply(c, a); };
+      return c;
+    },
+  };
+}
+
 module.exports = {
+  wireCounter, countingPool,
   uniqueKey, makePool, sleep, waitFor, untilServerPast, untilWaitingInServer, holdKey, Ledger, ledgerHandler, lookup, listen, recordPid, countOutcomes, deadPool,
 };

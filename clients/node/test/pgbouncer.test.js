@@ -95,7 +95,7 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
   });
 
   await t.test('eight concurrent callers: one execution', async () => {
-    const guard = new Guard(pool, { lease: 10000, retention: 3600000, timeout: 5000 });
+    const guard = new Guard(pool, { prepare: false, lease: 10000, retention: 3600000, timeout: 5000 });
     const key = uniqueKey('bouncer-order-1');
     const ledger = new Ledger(10);
     const calls = { n: 0 };
@@ -110,7 +110,7 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
 
   await t.test('clock offset and timeouts stay in their transaction', async () => {
     let offset = 0;
-    const guard = new Guard(pool, { lease: 10000, fault: failTimes(1, 'complete'), clockOffset: () => offset });
+    const guard = new Guard(pool, { prepare: false, lease: 10000, fault: failTimes(1, 'complete'), clockOffset: () => offset });
     const key = uniqueKey('bouncer-order-2');
     const calls = { n: 0 };
     const h = ledgerHandler(new Ledger(10), key, calls, 0);
@@ -129,7 +129,7 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
 
   await t.test('heartbeat and the one-transaction helper', async () => {
     // Ten beats per lease: the lease outlives a few beats kept waiting for a server connection.
-    const guard = new Guard(pool, { lease: 3000, heartbeat: 300 });
+    const guard = new Guard(pool, { prepare: false, lease: 3000, heartbeat: 300 });
     const key = uniqueKey('bouncer-hb');
     let probe;
     const r = await guard.do(key, 'fp', async (claim) => {
@@ -148,7 +148,7 @@ test('through pgbouncer (transaction pooling, 3 server connections)', { skip: !f
       const tx = await transaction(c, key2, 'fp', async ({ client }) => {
         await client.query('SELECT 1');
         return { status: 201, body: 'tx' };
-      }, { timeout: 2000 });
+      }, { timeout: 2000, prepare: false });
       assert.equal(tx.outcome, Outcome.EXECUTED);
     } finally {
       c.release();
