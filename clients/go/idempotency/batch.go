@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgconn"
 	"github.com/jackc/pgx/v4"
 )
 
@@ -191,6 +192,7 @@ func drain(rows pgx.Rows) error {
 type qstmt struct {
 	stmt
 	read func(pgx.Rows) error
+	tag  *pgconn.CommandTag // set, when not nil, to the command tag of a statement without read
 }
 
 // oneTrip runs stmts in one transaction: in one batch on the pool, an
@@ -198,7 +200,11 @@ type qstmt struct {
 // the pool prefers the simple protocol, one statement at a time in an
 // explicit transaction.
 func (s *PostgresStore) oneTrip(ctx context.Context, stmts []qstmt) error {
-	if s.pool.Config().ConnConfig.PreferSimpleProtocol {
+	simple := s.pool.Config().ConnConfig.PreferSimpleProtocol
+	if simple && len(stmts) == 1 {
+		return runStmts(ctx, s.pool, true, stmts)
+	}
+	if simple {
 		tx, err := s.pool.Begin(ctx)
 		if err != nil {
 			return err
@@ -226,7 +232,10 @@ func (s *PostgresStore) oneTrip(ctx context.Context, stmts []qstmt) error {
 // readResult reads st's result from br.
 func readResult(br pgx.BatchResults, st qstmt) error {
 	if st.read == nil {
-		_, err := br.Exec()
+		tag, err := br.Exec()
+		if st.tag != nil && err == nil {
+			*st.tag = tag
+		}
 		return err
 	}
 	rows, err := br.Query()
@@ -244,7 +253,12 @@ func readResult(br pgx.BatchResults, st qstmt) error {
 // runOnTx runs stmts on tx: in one batch, or one at a time when the
 // connection prefers the simple protocol.
 func runOnTx(ctx context.Context, tx pgx.Tx, stmts []qstmt) error {
-	if !tx.Conn().Config().PreferSimpleProtocol {
+	return runStmts(ctx, tx, tx.Conn().Config().PreferSimpleProtocol, stmts)
+}
+
+// runStmts runs stmts on tx: in one batch, or one at a time when simple.
+func runStmts(ctx context.Context, tx runner, simple bool, stmts []qstmt) error {
+	if !simple {
 		b := &pgx.Batch{}
 		for _, st := range stmts {
 			b.Queue(st.sql, st.args...)
@@ -261,8 +275,12 @@ func runOnTx(ctx context.Context, tx pgx.Tx, stmts []qstmt) error {
 	for _, st := range stmts {
 		args := append([]interface{}{extended}, st.args...)
 		if st.read == nil {
-			if _, err := tx.Exec(ctx, st.sql, args...); err != nil {
+			tag, err := tx.Exec(ctx, st.sql, args...)
+			if err != nil {
 				return err
+			}
+			if st.tag != nil {
+				*st.tag = tag
 			}
 			continue
 		}
@@ -543,50 +561,23 @@ func (g *Guard) doManyTx(ctx context.Context, s *PostgresStore, items []Item, fn
 	if err := s.fault("begin"); err != nil {
 		return fail(err)
 	}
-	tx, err := s.pool.Begin(ctx)
-	if err != nil {
-		return fail(err)
-	}
-	defer rollback(tx)
 	wait := g.WaitFor
 	if wait < 0 {
 		wait = 0
 	}
+	// One round trip: BEGIN, the settings bounding the claims, the claims
+	// and the transaction's own timeouts put back for the handlers.
 	var rows []manyRow
-	err = func() error {
+	tx, err := func() (*connTx, error) {
 		cctx, cancel := s.callContext(ctx, wait)
 		defer cancel()
-		var pre []qstmt
-		if s.ClientClock {
-			pre = append(pre, qstmt{stmt: stmt{sql: sqlClock, args: []interface{}{now}}})
-		}
-		timeout := serverTimeout(cctx)
-		var lockTimeout, statementTimeout string
-		if timeout != "" {
-			// Bound the claim's wait on the server; the handlers run under
-			// the transaction's own settings again.
-			pre = append(pre, qstmt{stmt: stmt{sql: sqlSaveTimeouts}, read: func(r pgx.Rows) error {
-				for r.Next() {
-					if err := r.Scan(&lockTimeout, &statementTimeout); err != nil {
-						return err
-					}
-				}
-				return r.Err()
-			}}, qstmt{stmt: stmt{sql: sqlTimeouts, args: []interface{}{timeout}}})
-		}
-		if err := runOnTx(cctx, tx, append(pre, s.beginManyStmt(items, g.Lease, g.Retention, wait, &rows))); err != nil {
-			return s.mapError(err, fnBeginMany)
-		}
-		if timeout != "" {
-			if _, err := tx.Exec(cctx, sqlRestoreTimeouts, extended, lockTimeout, statementTimeout); err != nil {
-				return err
-			}
-		}
-		return nil
+		tx, err := s.beginTx(cctx, s.boundedStmts(cctx, now, s.beginManyStmt(items, g.Lease, g.Retention, wait, &rows)))
+		return tx, s.mapError(err, fnBeginMany)
 	}()
 	if err != nil {
 		return fail(err)
 	}
+	defer tx.end()
 	b := newBatchRun(items, rows)
 	for i, r := range rows {
 		if !r.claimed {
@@ -616,15 +607,13 @@ func (g *Guard) doManyTx(ctx context.Context, s *PostgresStore, items []Item, fn
 		}
 		cctx, cancel := s.callContext(ctx, 0)
 		defer cancel()
-		if err := runOnTx(cctx, tx, s.finishStmts(items, rows, b.done, b.failed, b.resps, g.Retention)); err != nil {
+		// One round trip: the completes, the releases and the COMMIT.
+		if err := tx.commitWith(cctx, s.finishStmts(items, rows, b.done, b.failed, b.resps, g.Retention)); err != nil {
 			return g.batchFailed(b, s.mapError(err, fnFinishMany))
-		}
-		if err := tx.Commit(cctx); err != nil {
-			return g.batchFailed(b, err)
 		}
 	} else {
 		// Nothing was claimed; the answers stand whatever the commit says.
-		_ = tx.Commit(ctx)
+		_ = tx.commitWith(ctx, nil)
 	}
 	b.copyDuplicates()
 	return b.results, nil

@@ -63,14 +63,15 @@ func TestBoundedClaimRoundTrips(t *testing.T) {
 		// one statement), DoTx's replay, Do's new key
 		newKey, replay, do int64
 	}{
-		// BEGIN, batch (save, bound, claim), restore, handler, complete,
-		// COMMIT; a replay BEGIN, batch, ROLLBACK; Do's claim BEGIN, batch
-		// (bound, claim), COMMIT and its complete BEGIN, batch (bound,
-		// complete), COMMIT.
-		{"extended", false, 6, 3, 6},
-		// One statement at a time: save, bound and claim are three, and
-		// Do's bound and complete two.
-		{"simple_protocol", true, 8, 5, 8},
+		// A batch (BEGIN, save, bound, claim, restore), the handler's
+		// statement, a batch (complete, COMMIT); a replay the batch and
+		// ROLLBACK; Do's claim one batch (bound, claim) and its complete
+		// one (bound, complete), each an implicit transaction.
+		{"extended", false, 3, 2, 2},
+		// One statement at a time: BEGIN, save, bound, claim and restore
+		// are five, complete and COMMIT two; Do's BEGIN, bound, claim and
+		// COMMIT four, and its complete as many.
+		{"simple_protocol", true, 8, 6, 8},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			pool, writes := countedPool(t, c.simple)

@@ -8,6 +8,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/jackc/pgconn"
 	"github.com/jackc/pgx/v4"
 	"github.com/jackc/pgx/v4/pgxpool"
 )
@@ -106,11 +107,6 @@ const (
 		" OR s.st::interval > ($1::text)::interval THEN $1::text ELSE s.st END, true)" +
 		" FROM (SELECT pg_catalog.current_setting('lock_timeout') AS l," +
 		" pg_catalog.current_setting('statement_timeout') AS st) s"
-	// sqlSaveTimeouts and sqlRestoreTimeouts keep DoTx's handler's
-	// statements under the settings its transaction had.
-	sqlSaveTimeouts    = "SELECT pg_catalog.current_setting('lock_timeout'), pg_catalog.current_setting('statement_timeout')"
-	sqlRestoreTimeouts = "SELECT pg_catalog.set_config('lock_timeout', $1::text, true)," +
-		" pg_catalog.set_config('statement_timeout', $2::text, true)"
 )
 
 // The functions the statements call, as the errors of a missing one name
@@ -223,27 +219,40 @@ func rollback(tx pgx.Tx) {
 	_ = tx.Rollback(ctx)
 }
 
-// querier is what a statement runs on: the pool or a transaction.
-type querier interface {
-	QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row
+// runner is what statements run on: the pool, a pgx.Tx or a connection.
+type runner interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+	Exec(ctx context.Context, sql string, args ...interface{}) (pgconn.CommandTag, error)
 	Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error)
+	QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row
 }
 
-// call runs one single-row statement, in a transaction when the settings
-// need one; the settings then go in one batch with the statement.
-func (s *PostgresStore) call(ctx context.Context, now time.Time, fn func(querier) error) error {
+// call runs one statement in one round trip: alone on the pool, or, when
+// the clock offset or ctx's deadline must apply, in one batch after the
+// statements that set them (an implicit transaction that commits at the
+// batch's end; see oneTrip).
+func (s *PostgresStore) call(ctx context.Context, now time.Time, st qstmt) error {
 	if !s.needsTx(ctx) {
-		return fn(s.pool)
+		return s.oneTrip(ctx, []qstmt{st})
 	}
-	tx, err := s.pool.Begin(ctx)
-	if err != nil {
-		return err
+	return s.oneTrip(ctx, append(s.localStmts(ctx, now), st))
+}
+
+// scanRow is a read that scans a statement's one row into dest.
+func scanRow(dest ...interface{}) func(pgx.Rows) error {
+	return func(rows pgx.Rows) error {
+		if !rows.Next() {
+			if err := rows.Err(); err != nil {
+				return err
+			}
+			return pgx.ErrNoRows
+		}
+		if err := rows.Scan(dest...); err != nil {
+			return err
+		}
+		rows.Close()
+		return rows.Err()
 	}
-	defer rollback(tx)
-	if err := fn(&settled{tx: tx, pre: s.locals(ctx, now)}); err != nil {
-		return err
-	}
-	return tx.Commit(ctx)
 }
 
 // beginCall is the idem_begin statement for a claim, the function it
@@ -263,11 +272,16 @@ func (s *PostgresStore) beginCall(key, fingerprint string, lease, retention, wai
 	return sql, fn, args
 }
 
-// beginRow runs idem_begin on q and makes its answer a Record.
-func (s *PostgresStore) beginRow(ctx context.Context, q querier, key, fingerprint string, lease, retention, wait time.Duration) (Record, bool, error) {
+// claimStmt is the idem_begin statement of a claim; its answer lands in
+// rec and claimed.  fn is the function it calls, for the error of a
+// missing one.
+func (s *PostgresStore) claimStmt(key, fingerprint string, lease, retention, wait time.Duration, rec *Record, claimed *bool) (qstmt, string) {
 	sql, fn, args := s.beginCall(key, fingerprint, lease, retention, wait)
-	rows, err := q.Query(ctx, sql, append([]interface{}{extended}, args...)...)
-	return s.scanBegin(rows, err, fingerprint, fn)
+	return qstmt{stmt: stmt{sql: sql, args: args}, read: func(rows pgx.Rows) error {
+		var err error
+		*rec, *claimed, err = scanBegin(rows, fingerprint)
+		return err
+	}}, fn
 }
 
 // stmt is a statement that prepares a transaction for a call: its SQL,
@@ -278,34 +292,14 @@ type stmt struct {
 	dest []interface{}
 }
 
-// run runs st on tx alone.
-func (st stmt) run(ctx context.Context, tx pgx.Tx) error {
+// run runs st on q alone.
+func (st stmt) run(ctx context.Context, q runner) error {
 	args := append([]interface{}{extended}, st.args...)
 	if st.dest != nil {
-		return tx.QueryRow(ctx, st.sql, args...).Scan(st.dest...)
+		return q.QueryRow(ctx, st.sql, args...).Scan(st.dest...)
 	}
-	_, err := tx.Exec(ctx, st.sql, args...)
+	_, err := q.Exec(ctx, st.sql, args...)
 	return err
-}
-
-// batched tells whether statements pre can go in one batch with the
-// statement after them on tx.  A connection that prefers the simple
-// protocol runs them one at a time: its batch would be one text query with
-// the arguments written in, and every statement here goes on the extended
-// protocol.
-func batched(tx pgx.Tx, pre []stmt) bool {
-	return len(pre) > 0 && !tx.Conn().Config().PreferSimpleProtocol
-}
-
-// settled is a querier on a transaction whose first statement goes after
-// the statements pre (the call's clock offset and timeouts, or a claim's
-// saving of them), in one batch with them where batched allows: one round
-// trip once the connection has prepared them.  The batch prepares its
-// statements before it runs them, so an error of the statement itself (a
-// missing function) may come back with the first of pre.
-type settled struct {
-	tx  pgx.Tx
-	pre []stmt
 }
 
 // errRow is a row that fails with err.
@@ -313,120 +307,8 @@ type errRow struct{ err error }
 
 func (r errRow) Scan(...interface{}) error { return r.err }
 
-// batchRow is the row of a batch's last statement; Scan closes the batch.
-type batchRow struct{ br pgx.BatchResults }
-
-func (r batchRow) Scan(dest ...interface{}) error {
-	err := r.br.QueryRow().Scan(dest...)
-	if cerr := r.br.Close(); err == nil {
-		err = cerr
-	}
-	return err
-}
-
-// batchRows are the rows of a batch's last statement; Close closes the
-// batch, whose error Err then reports.
-type batchRows struct {
-	pgx.Rows
-	br  pgx.BatchResults
-	err error
-}
-
-func (r *batchRows) Close() {
-	r.Rows.Close()
-	if r.br != nil {
-		r.err = r.br.Close()
-		r.br = nil
-	}
-}
-
-func (r *batchRows) Err() error {
-	if err := r.Rows.Err(); err != nil {
-		return err
-	}
-	return r.err
-}
-
-// settle runs what is left of pre one statement at a time.
-func (q *settled) settle(ctx context.Context) error {
-	pre := q.pre
-	q.pre = nil
-	for _, st := range pre {
-		if err := st.run(ctx, q.tx); err != nil {
-			return err
-		}
-	}
-	return nil
-}
-
-// send queues what is left of pre and then sql with args (the first may be
-// the extended option, which a batch does not take: a batch is always
-// extended) in one batch, and reads the results of pre.  The batch's next
-// result is sql's; the caller closes the batch.
-func (q *settled) send(ctx context.Context, sql string, args []interface{}) (pgx.BatchResults, error) {
-	if len(args) > 0 {
-		if _, ok := args[0].(pgx.QuerySimpleProtocol); ok {
-			args = args[1:]
-		}
-	}
-	pre := q.pre
-	q.pre = nil
-	b := &pgx.Batch{}
-	for _, st := range pre {
-		b.Queue(st.sql, st.args...)
-	}
-	b.Queue(sql, args...)
-	br := q.tx.SendBatch(ctx, b)
-	for _, st := range pre {
-		var err error
-		if st.dest != nil {
-			err = br.QueryRow().Scan(st.dest...)
-		} else {
-			_, err = br.Exec()
-		}
-		if err != nil {
-			br.Close()
-			return nil, err
-		}
-	}
-	return br, nil
-}
-
-func (q *settled) QueryRow(ctx context.Context, sql string, args ...interface{}) pgx.Row {
-	if !batched(q.tx, q.pre) {
-		if err := q.settle(ctx); err != nil {
-			return errRow{err}
-		}
-		return q.tx.QueryRow(ctx, sql, args...)
-	}
-	br, err := q.send(ctx, sql, args)
-	if err != nil {
-		return errRow{err}
-	}
-	return batchRow{br}
-}
-
-func (q *settled) Query(ctx context.Context, sql string, args ...interface{}) (pgx.Rows, error) {
-	if !batched(q.tx, q.pre) {
-		if err := q.settle(ctx); err != nil {
-			return nil, err
-		}
-		return q.tx.Query(ctx, sql, args...)
-	}
-	br, err := q.send(ctx, sql, args)
-	if err != nil {
-		return nil, err
-	}
-	rows, err := br.Query()
-	if err != nil {
-		br.Close()
-		return nil, err
-	}
-	return &batchRows{Rows: rows, br: br}, nil
-}
-
 // scanBegin makes the row of idem_begin a Record.
-func (s *PostgresStore) scanBegin(rows pgx.Rows, err error, fingerprint, fn string) (Record, bool, error) {
+func scanBegin(rows pgx.Rows, fingerprint string) (Record, bool, error) {
 	var (
 		claimed               bool
 		state                 string
@@ -437,9 +319,6 @@ func (s *PostgresStore) scanBegin(rows pgx.Rows, err error, fingerprint, fn stri
 		phase                 *string
 		phaseData             []byte
 	)
-	if err != nil {
-		return Record{}, false, s.mapError(err, fn)
-	}
 	defer rows.Close()
 	// The columns by name; one this client does not know is skipped.
 	byName := map[string]interface{}{
@@ -453,16 +332,16 @@ func (s *PostgresStore) scanBegin(rows pgx.Rows, err error, fingerprint, fn stri
 	}
 	if !rows.Next() {
 		if err := rows.Err(); err != nil {
-			return Record{}, false, s.mapError(err, fn)
+			return Record{}, false, err
 		}
 		return Record{}, false, errors.New("idem_begin returned no row")
 	}
 	if err := rows.Scan(dest...); err != nil {
-		return Record{}, false, s.mapError(err, fn)
+		return Record{}, false, err
 	}
 	rows.Close()
 	if err := rows.Err(); err != nil {
-		return Record{}, false, s.mapError(err, fn)
+		return Record{}, false, err
 	}
 	rec := Record{Fingerprint: fingerprint, State: State(state)}
 	if rec.State == Conflict {
@@ -524,16 +403,10 @@ func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, 
 		rec     Record
 		claimed bool
 	)
-	tx, err := s.pool.Begin(cctx)
-	if err != nil {
-		return Record{}, false, err
-	}
-	defer rollback(tx)
-	rec, claimed, err = s.beginRow(cctx, &settled{tx: tx, pre: s.locals(cctx, now)}, key, fingerprint, lease, retention, waitFor)
-	if err != nil {
-		return Record{}, false, err
-	}
-	err = tx.Commit(cctx)
+	// One round trip: the settings and the claim in one batch, an
+	// implicit transaction that commits at its end.
+	claim, fn := s.claimStmt(key, fingerprint, lease, retention, waitFor, &rec, &claimed)
+	err := s.oneTrip(cctx, append(s.localStmts(cctx, now), claim))
 	if err == nil && s.commitLost != nil && s.commitLost() {
 		err = errors.New("commit answer lost")
 	}
@@ -541,7 +414,7 @@ func (s *PostgresStore) BeginWait(ctx context.Context, key, fingerprint string, 
 		if claimed {
 			s.releaseQuietly(key, rec.Token, now)
 		}
-		return Record{}, false, err
+		return Record{}, false, s.mapError(err, fn)
 	}
 	return rec, claimed, nil
 }
@@ -554,10 +427,8 @@ func (s *PostgresStore) releaseQuietly(key string, token int64, now time.Time) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
-	_ = s.call(ctx, now, func(q querier) error {
-		var ok bool
-		return q.QueryRow(ctx, s.sql(sqlRelease), extended, key, token, s.Scope).Scan(&ok)
-	})
+	var ok bool
+	_ = s.call(ctx, now, qstmt{stmt: stmt{sql: s.sql(sqlRelease), args: []interface{}{key, token, s.Scope}}, read: scanRow(&ok)})
 }
 
 // Complete stores resp with idem_complete.  The token is that of the claim
@@ -574,11 +445,14 @@ func (s *PostgresStore) Complete(ctx context.Context, key, fingerprint string, r
 	}
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
-	return s.mapError(s.call(cctx, now, func(q querier) error {
-		var expires time.Time
-		return q.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
-			body(resp.Body), token, interval(retention), s.Scope).Scan(&expires)
-	}), fnComplete)
+	var expires time.Time
+	return s.mapError(s.call(cctx, now, s.completeStmt(key, fingerprint, resp, token, retention, &expires)), fnComplete)
+}
+
+// completeStmt is the idem_complete statement; its answer lands in expires.
+func (s *PostgresStore) completeStmt(key, fingerprint string, resp Response, token interface{}, retention time.Duration, expires *time.Time) qstmt {
+	return qstmt{stmt: stmt{sql: s.sql(sqlComplete), args: []interface{}{key, fingerprint, int32(resp.Status),
+		body(resp.Body), token, interval(retention), s.Scope}}, read: scanRow(expires)}
 }
 
 // body is never NULL: a nil body is stored as an empty one.
@@ -599,9 +473,7 @@ func (s *PostgresStore) Release(ctx context.Context, key string, token int64, no
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	var released bool
-	err := s.call(cctx, now, func(q querier) error {
-		return q.QueryRow(cctx, s.sql(sqlRelease), extended, key, token, s.Scope).Scan(&released)
-	})
+	err := s.call(cctx, now, qstmt{stmt: stmt{sql: s.sql(sqlRelease), args: []interface{}{key, token, s.Scope}}, read: scanRow(&released)})
 	return released, s.mapError(err, fnRelease)
 }
 
@@ -615,9 +487,7 @@ func (s *PostgresStore) Extend(ctx context.Context, key string, token int64, now
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
 	var until time.Time
-	err := s.call(cctx, now, func(q querier) error {
-		return q.QueryRow(cctx, s.sql(sqlExtend), extended, key, token, interval(lease), s.Scope).Scan(&until)
-	})
+	err := s.call(cctx, now, qstmt{stmt: stmt{sql: s.sql(sqlExtend), args: []interface{}{key, token, interval(lease), s.Scope}}, read: scanRow(&until)})
 	return until, s.mapError(err, fnExtend)
 }
 
@@ -633,19 +503,17 @@ func (s *PostgresStore) Checkpoint(ctx context.Context, key string, token int64,
 	}
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
-	return s.mapError(s.call(cctx, now, func(q querier) error {
-		return s.checkpointRow(cctx, q, key, token, phase, data)
-	}), fnCheckpoint)
+	var ok bool
+	return s.mapError(s.call(cctx, now, s.checkpointStmt(key, token, phase, data, &ok)), fnCheckpoint)
 }
 
-// checkpointRow runs idem_checkpoint on q.
-func (s *PostgresStore) checkpointRow(ctx context.Context, q querier, key string, token int64, phase string, data []byte) error {
-	var ok bool
+// checkpointStmt is the idem_checkpoint statement; it answers true in ok.
+func (s *PostgresStore) checkpointStmt(key string, token int64, phase string, data []byte, ok *bool) qstmt {
 	var d interface{}
 	if data != nil {
 		d = data
 	}
-	return q.QueryRow(ctx, s.sql(sqlCheckpoint), extended, key, token, phase, d, s.Scope).Scan(&ok)
+	return qstmt{stmt: stmt{sql: s.sql(sqlCheckpoint), args: []interface{}{key, token, phase, d, s.Scope}}, read: scanRow(ok)}
 }
 
 // DoTx runs fn under key in one transaction with fn's own writes: it
@@ -705,45 +573,30 @@ func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint str
 	if err := s.fault("begin"); err != nil {
 		return Response{}, Unavailable, unavailable(err)
 	}
-	tx, err := s.pool.Begin(ctx)
-	if err != nil {
-		return Response{}, Unavailable, unavailable(err)
-	}
-	defer rollback(tx)
 	wait := g.WaitFor
 	if wait < 0 {
 		wait = 0
 	}
-	rec, claimed, err := func() (Record, bool, error) {
+	// One round trip: BEGIN, the settings bounding the claim, the claim,
+	// and the transaction's own timeouts put back for the handler.
+	var (
+		rec     Record
+		claimed bool
+	)
+	tx, err := func() (*connTx, error) {
 		cctx, cancel := s.callContext(ctx, wait)
 		defer cancel()
-		var pre []stmt
-		if s.ClientClock {
-			pre = append(pre, stmt{sql: sqlClock, args: []interface{}{now}})
-		}
-		timeout := serverTimeout(cctx)
-		if timeout == "" {
-			return s.beginRow(cctx, &settled{tx: tx, pre: pre}, key, fingerprint, g.Lease, g.Retention, wait)
-		}
-		// The claim's wait is bounded on the server too; the handler's
-		// statements then run under the transaction's own settings, saved
-		// in the claim's batch and put back when there is a handler to run.
-		var lockTimeout, statementTimeout string
-		pre = append(pre, stmt{sql: sqlSaveTimeouts, dest: []interface{}{&lockTimeout, &statementTimeout}},
-			stmt{sql: sqlTimeouts, args: []interface{}{timeout}})
-		rec, claimed, err := s.beginRow(cctx, &settled{tx: tx, pre: pre}, key, fingerprint, g.Lease, g.Retention, wait)
-		if err != nil || !claimed {
-			return rec, claimed, err
-		}
-		if _, err := tx.Exec(cctx, sqlRestoreTimeouts, extended, lockTimeout, statementTimeout); err != nil {
-			return Record{}, false, err
-		}
-		return rec, claimed, nil
+		claim, fn := s.claimStmt(key, fingerprint, g.Lease, g.Retention, wait, &rec, &claimed)
+		tx, err := s.beginTx(cctx, s.boundedStmts(cctx, now, claim))
+		return tx, s.mapError(err, fn)
 	}()
 	if err != nil {
 		return Response{}, Unavailable, unavailable(err)
 	}
+	defer tx.end()
 	if !claimed {
+		// The second round trip ends the transaction.
+		_ = tx.Rollback(ctx)
 		return answer(rec)
 	}
 	resp, ferr := fn(WithClaim(ctx, Claim{Key: key, Token: rec.Token}), tx)
@@ -755,14 +608,10 @@ func (g *Guard) doTx(ctx context.Context, s *PostgresStore, key, fingerprint str
 	}
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
+	// One round trip: the complete and the COMMIT.
 	var expires time.Time
-	err = tx.QueryRow(cctx, s.sql(sqlComplete), extended, key, fingerprint, int32(resp.Status),
-		body(resp.Body), rec.Token, interval(g.Retention), s.Scope).Scan(&expires)
-	if err != nil {
+	if err := tx.commitWith(cctx, []qstmt{s.completeStmt(key, fingerprint, resp, rec.Token, g.Retention, &expires)}); err != nil {
 		return resp, Executed, s.mapError(err, fnComplete)
-	}
-	if err := tx.Commit(cctx); err != nil {
-		return resp, Executed, err
 	}
 	return resp, Executed, nil
 }

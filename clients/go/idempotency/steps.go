@@ -341,14 +341,20 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 		return zero, err
 	}
 	now := st.now()
-	tx, err := s.pool.Begin(ctx)
+	// One round trip: BEGIN, the settings bounding the hold, the hold and
+	// the transaction's own timeouts put back for fn.
+	tx, err := func() (*connTx, error) {
+		cctx, cancel := s.callContext(ctx, 0)
+		defer cancel()
+		var ok bool
+		hold := qstmt{stmt: stmt{sql: s.sql(sqlHold), args: []interface{}{st.key, st.token, s.Scope}}, read: scanRow(&ok)}
+		tx, err := s.beginTx(cctx, s.boundedStmts(cctx, now, hold))
+		return tx, s.mapError(err, fnHold)
+	}()
 	if err != nil {
 		return zero, err
 	}
-	defer rollback(tx)
-	if err := s.holdTx(ctx, tx, now, st.key, st.token); err != nil {
-		return zero, err
-	}
+	defer tx.end()
 	out, err := fn(ctx, tx, st.info(name))
 	if err != nil {
 		return out, err
@@ -362,46 +368,11 @@ func StepTx[T any](ctx context.Context, name string, fn func(ctx context.Context
 	}
 	cctx, cancel := s.callContext(ctx, 0)
 	defer cancel()
-	if err := s.checkpointRow(cctx, tx, st.key, st.token, name, st.with(name, enc)); err != nil {
+	// One round trip: the checkpoint and the COMMIT.
+	var stored bool
+	if err := tx.commitWith(cctx, []qstmt{s.checkpointStmt(st.key, st.token, name, st.with(name, enc), &stored)}); err != nil {
 		return out, s.mapError(err, fnCheckpoint)
-	}
-	if err := tx.Commit(cctx); err != nil {
-		return out, err
 	}
 	st.record(name, enc)
 	return out, nil
-}
-
-// holdTx runs idem_hold for key and token in tx, with the clock offset
-// (ClientClock) and, when the call has a deadline, lock_timeout and
-// statement_timeout bounding it; the transaction's own timeouts are put
-// back afterwards.
-func (s *PostgresStore) holdTx(ctx context.Context, tx pgx.Tx, now time.Time, key string, token int64) error {
-	cctx, cancel := s.callContext(ctx, 0)
-	defer cancel()
-	if s.ClientClock {
-		if _, err := tx.Exec(cctx, sqlClock, extended, now); err != nil {
-			return err
-		}
-	}
-	hold := func() error {
-		var ok bool
-		return s.mapError(tx.QueryRow(cctx, s.sql(sqlHold), extended, key, token, s.Scope).Scan(&ok), fnHold)
-	}
-	timeout := serverTimeout(cctx)
-	if timeout == "" {
-		return hold()
-	}
-	var lockTimeout, statementTimeout string
-	if err := tx.QueryRow(cctx, sqlSaveTimeouts, extended).Scan(&lockTimeout, &statementTimeout); err != nil {
-		return err
-	}
-	if _, err := tx.Exec(cctx, sqlTimeouts, extended, timeout); err != nil {
-		return err
-	}
-	if err := hold(); err != nil {
-		return err
-	}
-	_, err := tx.Exec(cctx, sqlRestoreTimeouts, extended, lockTimeout, statementTimeout)
-	return err
 }
