@@ -767,15 +767,15 @@ class Runner:
         check(runs(own_a) == 1, "still once")
         # The fingerprint: the lower-case hex SHA-256 of the whole item as
         # JSON.stringify writes it (members in the order sent, no spaces,
-        # 2.50 as 2.5, UTF-8), the key stored its SHA-256.
+        # 2.50 as 2.5, UTF-8); the server stores its SHA-256 in idem.keys.
         own_c = self.key("item-c")
         sent = '{"items": [{"key": "%s", "sku": "w", "qty": 2.50, "note": "caf\u00e9 \u00e0"}]}' % own_c
         r7 = self.post("/batch/orders", self.key("batch5"), body=sent.encode())
         check(r7.status == 200 and r7.json()["results"][0]["status"] == 201, "answered", r7)
         fp = hashlib.sha256(('{"key":"%s","sku":"w","qty":2.5,"note":"caf\u00e9 \u00e0"}'
                              % own_c).encode("utf-8")).hexdigest()
-        stored = self.sql("SELECT encode(fingerprint, 'hex') FROM \"%s\".idem_keys WHERE key = :'k';"
-                          % self.schema, k=own_c)
+        stored = self.sql("SELECT encode(fingerprint, 'hex') FROM idem.keys WHERE key = :'k';",
+                          k=own_c)
         check(stored == hashlib.sha256(fp.encode()).hexdigest(),
               "the item's fingerprint is the SHA-256 of its JSON", stored, fp)
 
