@@ -146,6 +146,7 @@ def item_keys(key: str, items: Sequence[Any], key_member: Optional[str] = KEY_ME
     for a key that is no key (1 to 255 bytes of printable ASCII)."""
     out = []
     for i, item in enumerate(items):
+        own: Any
         if key_of is not None:
             own, where = key_of(item, i), "the key of item %d" % i
         else:
