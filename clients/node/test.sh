@@ -171,7 +171,7 @@ if [ -f "$runner" ] && [ -z "${IDEM_NODE_TESTS:-}" ]; then
 		done
 		if [ -s "$work/conf.ready" ]; then
 			app_port=$(cat "$work/conf.ready")
-			python3 "$runner" --url "http://127.0.0.1:$app_port" --expect batch \
+			python3 "$runner" --url "http://127.0.0.1:$app_port" \
 				--dsn "host=$pgdir port=$port user=postgres dbname=postgres" 2>&1 | tee "$work/conf.log"
 			summary=$(grep -E '^[0-9]+ passed, [0-9]+ failed$' "$work/conf.log" | tail -n 1)
 			if [ -n "$summary" ]; then

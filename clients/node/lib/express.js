@@ -319,8 +319,8 @@ async function batchItems(ctx, items, handler, opts = {}) {
     return { status: r.status, body: Buffer.from(JSON.stringify(r.body ?? null)) };
   }, { ...ctx.overrides, notStored: undefined, scope: ctx.scope });
   const itemProblem = (status, title, detail) => ({ status, body: { type: 'about:blank', title, status, detail } });
-  const results = done.map((r, i) => {
-    const base = { index: i, key: list[i].key, replayed: r.outcome === Outcome.REPLAYED, duplicateOf: r.duplicateOf };
+  // Each item's answer, its members in doc/http.md's order.
+  const answer = (r) => {
     if (r.error == null && r.response) {
       let body = null;
       try {
@@ -328,13 +328,17 @@ async function batchItems(ctx, items, handler, opts = {}) {
       } catch {
         body = r.response.body.toString('utf8');
       }
-      return { ...base, status: r.response.status, body };
+      return { status: r.response.status, body };
     }
-    if (r.outcome === Outcome.CONFLICT) return { ...base, ...itemProblem(422, 'item key reused', 'this item\'s key was used with another item') };
-    if (r.outcome === Outcome.IN_FLIGHT) return { ...base, ...itemProblem(409, 'item in flight', 'this item is being processed by another request') };
-    if (r.outcome === Outcome.EXPIRED) return { ...base, ...itemProblem(410, 'item expired', 'this item was processed once; its answer is no longer kept') };
-    if (r.failedStep === 'handler') return { ...base, ...itemProblem(500, 'item failed', 'this item was not processed; retry the request') };
-    return { ...base, ...itemProblem(503, 'store unavailable', 'this item was not processed; retry the request') };
+    if (r.outcome === Outcome.CONFLICT) return itemProblem(422, 'item key reused', 'this item\'s key was used with another item');
+    if (r.outcome === Outcome.IN_FLIGHT) return itemProblem(409, 'item in flight', 'this item is being processed by another request');
+    if (r.outcome === Outcome.EXPIRED) return itemProblem(410, 'item expired', 'this item was processed once; its answer is no longer kept');
+    if (r.failedStep === 'handler') return itemProblem(500, 'item failed', 'this item was not processed; retry the request');
+    return itemProblem(503, 'store unavailable', 'this item was not processed; retry the request');
+  };
+  const results = done.map((r, i) => {
+    const { status, body } = answer(r);
+    return { index: i, key: list[i].key, status, body, replayed: r.outcome === Outcome.REPLAYED, duplicateOf: r.duplicateOf };
   });
   const retry = done.some((r) => r.error != null || r.outcome === Outcome.IN_FLIGHT || r.outcome === Outcome.UNAVAILABLE);
   return { results, retry };

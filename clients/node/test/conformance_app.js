@@ -108,8 +108,8 @@ function createApp(pool, downPool, shortPool) {
   });
   // A batch (doc/http.md, "Batches"): the envelope under the request's key,
   // each item under its own key ("key" in the item, else <key>:<index>),
-  // X-Conf-Fail-Item: i makes item i's handler throw; 503 while an item
-  // must run again.
+  // X-Conf-Fail-Item: i makes item i's handler throw; 503 with Retry-After: 1
+  // while an item must run again.
   app.post('/batch/orders', mw.plain, async (req, res, next) => {
     try {
       const fail = req.get('X-Conf-Fail-Item');
@@ -118,6 +118,7 @@ function createApp(pool, downPool, shortPool) {
         const r = await pool.query('INSERT INTO conf_orders (key, route) VALUES ($1, $2) RETURNING id', [claim.key, 'batch']);
         return { status: 201, body: { order: Number(r.rows[0].id) } };
       }, { key: (item, i) => (item && typeof item.key === 'string' ? item.key : `${req.idempotency.key}:${i}`) });
+      if (retry) res.set('Retry-After', '1');
       res.status(retry ? 503 : 200).json({ results });
     } catch (err) {
       next(err);

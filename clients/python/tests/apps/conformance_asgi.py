@@ -8,6 +8,10 @@ gunicorn with two uvicorn workers.
   /authz     default, authorize: X-Conf-Revoked denies a replay
   /advertise default, advertise_window=True (Idempotency-Key-Lifetime)
   /remember  default, lease and retention 1 s, remember=3600 (410 after the retention)
+  /batch     default; POST /batch/orders is the batch route of doc/http.md
+             ("Batches"): each item under its "key" or <key>:<index>, its
+             handler inserting (item key, 'batch') and answering 201
+             {"order": id}; X-Conf-Fail-Item: i makes item i's handler raise
 
 GET /<route>/orders answers 200 {"orders": []} (the middleware passes it
 through).
@@ -29,7 +33,7 @@ from fastapi import Depends, FastAPI, Request
 from starlette.responses import JSONResponse, Response
 
 import drivers
-from idem_pg import AsyncGuard
+from idem_pg import AsyncGuard, http_batch
 from idem_pg.asgi import IdempotencyMiddleware, idem_connection
 
 DSN = os.environ["IDEM_CONF_DSN"]
@@ -124,6 +128,35 @@ def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
     return api
 
 
+def batch_app(dsn: str) -> FastAPI:
+    """/batch/orders: the items of a batch, each under its own key."""
+    api = FastAPI()
+    guard = AsyncGuard(drivers.target(DRIVER, dsn), lease=30, retention=3600, timeout=5)
+    api.add_middleware(IdempotencyMiddleware, guard=guard, required=True, principal=principal)
+
+    @api.post("/orders")
+    async def orders(request: Request):
+        fail = request.headers.get("x-conf-fail-item")
+        try:
+            items = (await request.json()).get("items")
+        except ValueError:
+            items = None
+
+        async def handler(i, item, claim):
+            if fail is not None and int(fail) == i:
+                raise RuntimeError("item %d failed" % i)
+            async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as own:
+                cur = await own.execute("INSERT INTO conf_orders (key, route) VALUES"
+                                        " (%s, 'batch') RETURNING id", [claim.key])
+                return 201, {"order": (await cur.fetchone())[0]}
+
+        status, headers, body = await http_batch.run_batch_async(
+            guard, request.state.idem_key, items, handler, scope=request.state.idem_scope)
+        return Response(body, status_code=status, headers=dict(headers))
+
+    return api
+
+
 app = FastAPI()
 app.mount("/plain", sub_app("plain", DSN))
 app.mount("/tx", sub_app("tx", DSN, transactional=True))
@@ -134,6 +167,7 @@ app.mount("/short", sub_app("short", DSN + " options='-c idem.max_key_length=64'
 app.mount("/authz", sub_app("authz", DSN, authorize=authorize))
 app.mount("/advertise", sub_app("advertise", DSN, advertise_window=True))
 app.mount("/remember", sub_app("remember", DSN, lease=1, retention=1, remember=3600))
+app.mount("/batch", batch_app(DSN))
 
 try:
     IdempotencyMiddleware(app, guard=AsyncGuard(DSN))

@@ -2,6 +2,11 @@
 with the middleware and its settings, mounted like the ASGI app's and
 served by test.sh under gunicorn with two workers.
 
+/batch/orders is the batch route of doc/http.md ("Batches"): each item
+under its "key" or <key>:<index>, its handler inserting (item key,
+'batch') and answering 201 {"order": id}; X-Conf-Fail-Item: i makes item
+i's handler raise.
+
 IDEM_CONF_DSN is the database (conf_orders), IDEM_CONF_DOWN_DSN the
 dead one.
 """
@@ -14,7 +19,7 @@ import psycopg
 from flask import Flask, Response, g, jsonify, request
 from werkzeug.middleware.dispatcher import DispatcherMiddleware
 
-from idem_pg import Guard
+from idem_pg import Guard, http_batch
 from idem_pg.wsgi import IdempotencyWSGIMiddleware
 
 DSN = os.environ["IDEM_CONF_DSN"]
@@ -100,6 +105,33 @@ def sub_app(name: str, dsn: str, lease: float = 30, retention: float = 3600,
     return fl
 
 
+def batch_app(dsn: str) -> Flask:
+    """/batch/orders: the items of a batch, each under its own key."""
+    fl = Flask("batch")
+    guard = Guard(dsn, lease=30, retention=3600, timeout=5)
+
+    @fl.post("/orders")
+    def orders():
+        fail = request.headers.get("X-Conf-Fail-Item")
+
+        def handler(i, item, claim):
+            if fail is not None and int(fail) == i:
+                raise RuntimeError("item %d failed" % i)
+            with psycopg.connect(dsn, autocommit=True) as own:
+                n = own.execute("INSERT INTO conf_orders (key, route) VALUES (%s, 'batch')"
+                                " RETURNING id", [claim.key]).fetchone()[0]
+            return 201, {"order": n}
+
+        status, headers, body = http_batch.run_batch(
+            guard, g.idem_key, (request.get_json(silent=True) or {}).get("items"), handler,
+            scope=request.environ["idem_pg.scope"])
+        return Response(body, status=status, headers=headers)
+
+    fl.wsgi_app = IdempotencyWSGIMiddleware(fl.wsgi_app, guard=guard, required=True,
+                                            principal=principal)
+    return fl
+
+
 root = Flask("root")
 
 
@@ -131,4 +163,5 @@ app = DispatcherMiddleware(root, {
     "/authz": sub_app("authz", DSN, authorize=authorize),
     "/advertise": sub_app("advertise", DSN, advertise_window=True),
     "/remember": sub_app("remember", DSN, lease=1, retention=1, remember=3600),
+    "/batch": batch_app(DSN),
 })
