@@ -28,6 +28,11 @@ export type FaultHook = (op: Op) => unknown;
 export interface GuardOptions {
   /** Schema the extension is installed in (default 'public'); every call is qualified with it. */
   schema?: string;
+  /**
+   * Send the idem calls as named prepared statements, parsed once per connection (default true);
+   * false behind pgbouncer in transaction pooling, which cannot keep them across transactions.
+   */
+  prepare?: boolean;
   /** Namespace of the keys (default ''): take it from the authenticated tenant. */
   scope?: string;
   /** Lease of a claim (default: idem.default_lease, 60 s). */
@@ -365,8 +370,9 @@ export interface LookupRow {
 
 /** The idem functions as single statements on a client (no transaction control). */
 export declare class Store {
-  constructor(options?: { schema?: string });
+  constructor(options?: { schema?: string; prepare?: boolean });
   readonly schema: string;
+  readonly prepare: boolean;
   /** waitFor (ms or interval text; 0/null: none) calls the seven-argument idem_begin with wait_for. */
   begin(client: ClientBase, args: { key: string; fingerprint: string; lease?: Duration | null; retention?: Duration | null; scope?: string; wait?: boolean; waitFor?: Duration | null; remember?: Duration | null }): Promise<BeginRow>;
   complete(client: ClientBase, args: { key: string; fingerprint: string; status: number; body?: Body; token?: bigint | null; retention?: Duration | null; scope?: string }): Promise<Date>;

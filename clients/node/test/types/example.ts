@@ -38,7 +38,7 @@ app.post('/tx/orders', idempotency(pool, { transactional: true, storeServerError
 });
 
 async function main(): Promise<void> {
-  const guard = new Guard(pool, { lease: 30000, heartbeat: true, timeout: 5000 });
+  const guard = new Guard(pool, { lease: 30000, heartbeat: true, timeout: 5000, prepare: false });
   const r = await guard.do('pay-7', 'amount=10', async (claim) => {
     const t: bigint = claim.token;
     return { status: 200, body: `charged ${t}` };
