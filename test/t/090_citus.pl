@@ -134,7 +134,7 @@ my $t2 = $coord->safe_psql('postgres', q{SELECT token FROM idem_lookup('k-basic'
 cmp_ok($t2, '>', $t1, 'a takeover after the lease gets a greater token');
 ($rc, $out, $err) = $coord->psql('postgres',
 	qq{SELECT idem_complete('k-basic', 'fp', 200, '\\x01'::bytea, $t1)});
-like($err, qr/superseded/, 'the stale holder\'s complete is refused');
+like($err, qr/held by a newer claim/, 'the stale holder\'s complete is refused');
 $coord->safe_psql('postgres', qq{SELECT idem_complete('k-basic', 'fp', 200, '\\x01'::bytea, $t2)});
 is($coord->safe_psql('postgres', q{SELECT state, status, body FROM idem_begin('k-basic', 'fp')}),
 	'DONE|200|\x01', 'a retry replays the stored response');
@@ -332,7 +332,7 @@ cmp_ok($coord->safe_psql('postgres', q{SELECT token FROM idem_lookup('mv-held')}
 	'a takeover after the move gets a greater token than the one given before it');
 ($rc, $out, $err) = $coord->psql('postgres',
 	qq{SELECT idem_complete('mv-held', 'fp', 200, '\\x01'::bytea, $held)});
-like($err, qr/superseded/, 'the holder from before the move is refused');
+like($err, qr/held by a newer claim/, 'the holder from before the move is refused');
 # Released and claimed again on the new node: still greater.
 my $before_release = $coord->safe_psql('postgres', q{SELECT token FROM idem_lookup('mv-held')});
 $coord->safe_psql('postgres', qq{SELECT idem_release('mv-held', $before_release)});
