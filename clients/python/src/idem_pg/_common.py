@@ -514,6 +514,35 @@ class Statements:
         return "BEGIN; " + sets if begin else sets
 
 
+# The call's settings, each SET LOCAL (set_config(..., true)), as one
+# statement with parameters: the statement_timeout (the session's own where
+# it is shorter), the clock offset, or both.
+_SET_TIMEOUT = ("pg_catalog.set_config('statement_timeout', CASE WHEN s.st = '0'"
+                " OR s.st::pg_catalog.interval > %s::pg_catalog.interval"
+                " THEN %s::text ELSE s.st END, true)")
+_SET_OFFSET = "pg_catalog.set_config('idem.clock_offset', %s::text, true)"
+_SETTINGS = {
+    (t, o): "SELECT " + ", ".join(([_SET_TIMEOUT] if t else []) + ([_SET_OFFSET] if o else []))
+    + " FROM (SELECT pg_catalog.current_setting('statement_timeout') AS st) s"
+    for t in (False, True) for o in (False, True) if t or o}
+
+
+def settings(timeout_s: Optional[float], offset_s: float) -> Optional[Tuple[str, list]]:
+    """The SET LOCALs of a guard call (its statement_timeout, its
+    idem.clock_offset) as one statement and its parameters, for the
+    pipeline that sends BEGIN, it, the call's statement and COMMIT
+    together; None when there is nothing to set."""
+    if not timeout_s and not offset_s:
+        return None
+    params: list = []
+    if timeout_s:
+        ms_ = "%dms" % max(1, round(timeout_s * 1000))
+        params += [ms_, ms_]
+    if offset_s:
+        params.append("%d ms" % round(offset_s * 1000))
+    return _SETTINGS[(bool(timeout_s), bool(offset_s))], params
+
+
 def text(value: Any) -> Any:
     """A text column as str.  In a SQL_ASCII database psycopg hands every
     text value over as bytes, since it cannot know their encoding; the

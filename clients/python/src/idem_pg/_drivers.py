@@ -29,6 +29,8 @@ import psycopg
 from psycopg import pq
 
 _IDLE = pq.TransactionStatus.IDLE
+# psycopg's pipeline mode (libpq 14 or later)
+_PIPELINE = psycopg.Pipeline.is_supported()
 
 
 class Driver:
@@ -57,6 +59,15 @@ class Driver:
     async def execute(self, conn: Any, sql: str) -> None:
         """``sql`` (no parameters, possibly several statements) as one
         message of the simple protocol: one round trip."""
+        raise NotImplementedError
+
+    async def one_transaction(self, conn: Any, timeout_s: Optional[float], offset_s: float,
+                              query: str, params: Sequence[Any]) -> Optional[tuple]:
+        """``query``'s first row (as ``fetchrow``), run in a transaction of
+        its own under the call's SET LOCALs (its statement_timeout, its
+        idem.clock_offset; none: the statement alone), in as few round
+        trips as the driver allows.  A failure may leave the transaction
+        open for the caller to roll back."""
         raise NotImplementedError
 
     def transaction(self, conn: Any) -> AsyncContextManager[Any]:
@@ -98,6 +109,44 @@ class PsycopgDriver(Driver):
         async with conn.cursor(binary=True) as cur:
             await cur.execute(query, params)
             # a statement that returns no rows (an UPDATE): None
+            return None if cur.description is None else await cur.fetchone()
+
+    async def one_transaction(self, conn, timeout_s, offset_s, query, params):
+        # As guard.one_transaction: one pipeline, one Sync, every statement
+        # prepared (none with prepare_threshold None).
+        from ._common import settings  # (_common imports errors, which imports this)
+        sets = settings(timeout_s, offset_s)
+        async with conn.cursor(binary=True) as cur:
+            if sets is None and conn.autocommit:
+                if _PIPELINE:
+                    async with _pipeline(self, conn):
+                        await cur.execute(query, params, prepare=True)
+                else:
+                    await cur.execute(query, params)
+            else:
+                restore = not conn.autocommit
+                if restore:
+                    await conn.set_autocommit(True)     # no message: idle
+                try:
+                    aux = conn.cursor()
+                    if _PIPELINE:
+                        async with _pipeline(self, conn):
+                            await aux.execute("BEGIN", prepare=True)
+                            if sets is not None:
+                                await aux.execute(sets[0], sets[1], prepare=True)
+                            await cur.execute(query, params, prepare=True)
+                            await aux.execute("COMMIT", prepare=True)
+                    else:  # libpq before 14: one round trip each
+                        await aux.execute("BEGIN")
+                        if sets is not None:
+                            await aux.execute(sets[0], sets[1], prepare=True)
+                        await cur.execute(query, params, prepare=True)
+                        await aux.execute("COMMIT")
+                finally:
+                    if restore and not conn.closed:
+                        if conn.info.transaction_status != _IDLE:
+                            await conn.rollback()
+                        await conn.set_autocommit(False)
             return None if cur.description is None else await cur.fetchone()
 
     async def execute(self, conn, sql):
@@ -179,6 +228,21 @@ class AsyncpgDriver(Driver):
         row = await conn.fetchrow(self._query(query), *params)
         return None if row is None else tuple(row)
 
+    async def one_transaction(self, conn, timeout_s, offset_s, query, params):
+        # asyncpg has no pipeline in its API: every statement with
+        # parameters ends in a Sync and is awaited.  The SET LOCALs go with
+        # BEGIN as one Query of the simple protocol (no parameters there:
+        # numbers this client writes), then the statement, then COMMIT:
+        # three round trips; with nothing to set, the statement alone, one.
+        from ._common import Statements
+        opening = Statements.opening(True, timeout_s, offset_s)
+        if opening is None:
+            return await self.fetchrow(conn, query, params)
+        await conn.execute(opening)
+        row = await self.fetchrow(conn, query, params)
+        await conn.execute("COMMIT")
+        return row
+
     async def execute(self, conn, sql):
         # without arguments asyncpg sends the simple protocol's Query
         await conn.execute(sql)
@@ -224,6 +288,27 @@ async def _asyncpg_transaction(conn: Any) -> AsyncIterator[Any]:
             await tx.rollback()
         raise
     await tx.commit()
+
+
+@contextlib.asynccontextmanager
+async def _pipeline(drv: Driver, conn: Any) -> AsyncIterator[None]:
+    # psycopg's pipeline, except that a task cancelled while it waits for
+    # the results (a wait_for, asyncio.timeout) leaves no statement running
+    # on the server: psycopg would go on waiting for them, or raise
+    # "cannot exit pipeline mode while busy" in the CancelledError's
+    # place.  The statements are cancelled and the connection closed (its
+    # transaction rolls back), and the CancelledError goes on.
+    try:
+        async with conn.pipeline():
+            yield
+    except BaseException as exc:
+        if isinstance(exc, psycopg.Error) and exc.sqlstate is not None:
+            raise                       # the server's answer: the caller rolls back
+        await asyncio.shield(drv.abort(conn))
+        if not isinstance(exc, asyncio.CancelledError) and isinstance(
+                exc.__context__, asyncio.CancelledError):
+            raise exc.__context__ from None
+        raise
 
 
 async def _asyncpg_cancel(conn: Any) -> None:

@@ -169,22 +169,16 @@ class AsyncGuard:
                               "a claim made there would not commit on its own")
         timeout = self.timeout + extra if self.timeout else None
         try:
-            opening = Statements.opening(drv.autocommit(conn), timeout, offset_s)
-            if opening is not None:
-                # BEGIN and the SET LOCALs in one message (simple protocol)
-                await drv.execute(conn, opening)
-            # else the statement runs alone: on an autocommit connection it
-            # is its own transaction, otherwise psycopg begins one.
             # Results in binary, as in Guard._exec.
             if timeout:
                 # the server ends the wait at timeout; this is the backstop
-                row = await asyncio.wait_for(drv.fetchrow(conn, query, params),
-                                             timeout + CANCEL_GRACE)
+                row = await asyncio.wait_for(
+                    drv.one_transaction(conn, timeout, offset_s, query, params),
+                    timeout + CANCEL_GRACE)
             else:
-                row = await drv.fetchrow(conn, query, params)
+                row = await drv.one_transaction(conn, timeout, offset_s, query, params)
             if on_row is not None:
                 on_row(row)
-            await drv.commit(conn)
             return row
         except asyncio.TimeoutError as exc:
             await asyncio.shield(abort_statement(conn))

@@ -33,7 +33,7 @@ from psycopg import pq
 from ._common import (NOT_STORED, RESTORE, SET_BOUNDS, SET_CLOCK, BeginRow, Claim,
                       Outcome, Response, Result, Seconds, Statements, StepLog, _Support,
                       as_response, bounds, check_wait, fault_error, interval,
-                      offset_seconds, offset_text, saved_bounds, seconds, statements,
+                      offset_seconds, offset_text, saved_bounds, seconds, settings, statements,
                       text, wait_seconds)
 from ._batch import Batch, batch_of, finish_many_query
 from .errors import (CLAIM_GONE, WHAT_TO_DO, AlreadyCompleted, FunctionNotFound,
@@ -163,6 +163,8 @@ def phase_support() -> _Support:
 
 
 _IDLE = pq.TransactionStatus.IDLE
+# psycopg's pipeline mode (libpq 14 or later)
+_PIPELINE = psycopg.Pipeline.is_supported()
 _IN_TX = (pq.TransactionStatus.INTRANS, pq.TransactionStatus.INERROR)
 
 
@@ -219,6 +221,54 @@ def _rollback_quietly(conn: psycopg.Connection) -> None:
             conn.rollback()
     except Exception:  # noqa: BLE001 - the link is broken: drop it
         conn.close()
+
+
+def one_transaction(conn: psycopg.Connection, cur: psycopg.Cursor, sets: Any,
+                    query: Any, params: Any) -> None:
+    """Run ``query`` on ``cur`` in a transaction of its own, after the
+    SET LOCALs ``sets`` (``settings()``: SQL and parameters, or None), in
+    one round trip: on an autocommit connection with nothing to set, the
+    statement alone (its own transaction, in a pipeline of its own);
+    otherwise BEGIN, the settings,
+    the statement and COMMIT in one pipeline (one Sync), the connection
+    put in autocommit for the call so that psycopg sends no BEGIN of its
+    own.  Every statement is prepared (psycopg's ``prepare=True``: none
+    when the connection's prepare_threshold is None, as behind pgbouncer
+    in transaction pooling).  A failure leaves the transaction for the
+    caller to roll back."""
+    if sets is None and conn.autocommit:
+        # in a pipeline too: a statement prepared for the first time goes
+        # with its Parse in the same Sync, where alone psycopg waits for
+        # the Parse first
+        if _PIPELINE:
+            with conn.pipeline():
+                cur.execute(query, params, prepare=True)
+        else:
+            cur.execute(query, params)
+        return
+    restore = not conn.autocommit
+    if restore:
+        conn.autocommit = True      # no message: the connection is idle
+    try:
+        aux = conn.cursor()
+        if _PIPELINE:
+            with conn.pipeline():
+                aux.execute("BEGIN", prepare=True)
+                if sets is not None:
+                    aux.execute(sets[0], sets[1], prepare=True)
+                cur.execute(query, params, prepare=True)
+                aux.execute("COMMIT", prepare=True)
+        else:  # libpq before 14: one round trip each
+            aux.execute("BEGIN")
+            if sets is not None:
+                aux.execute(sets[0], sets[1], prepare=True)
+            cur.execute(query, params, prepare=True)
+            aux.execute("COMMIT")
+    finally:
+        if restore:
+            _rollback_quietly(conn)
+            if not conn.closed:
+                conn.autocommit = False
 
 
 class _Heartbeat:
@@ -312,24 +362,17 @@ class Guard:
             raise Unavailable("the connection is busy or inside a transaction: "
                               "a claim made there would not commit on its own")
         watch = None
+        timeout = self.timeout + extra if self.timeout else None
         try:
-            timeout = self.timeout + extra if self.timeout else None
-            opening = Statements.opening(conn.autocommit, timeout, offset_s)
-            if opening is not None:
-                # BEGIN and the SET LOCALs in one message (simple protocol)
-                conn.execute(opening)
-            # else the statement runs alone: on an autocommit connection it
-            # is its own transaction, otherwise psycopg begins one.
             # Results in binary: timestamps, bytea and integers do not
             # depend on the session's DateStyle, TimeZone or bytea_output.
             with conn.cursor(binary=True) as cur:
                 if timeout:
                     watch = _WATCHDOG.arm(timeout + CANCEL_GRACE, conn.cancel)
-                cur.execute(query, params)
+                one_transaction(conn, cur, settings(timeout, offset_s), query, params)
                 row = cur.fetchone()
-                if on_row is not None:
-                    on_row(row)
-            conn.commit()
+            if on_row is not None:
+                on_row(row)
             return row
         except BaseException:
             _rollback_quietly(conn)
