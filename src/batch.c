@@ -148,16 +148,6 @@ batch_key(BatchArray *keys, int i)
 	return key;
 }
 
-/* The scope argument: not NULL, may be empty. */
-static text *
-batch_scope(FunctionCallInfo fcinfo, int argno)
-{
-	text	   *scope = idem_arg_text(fcinfo, argno, "scope");
-
-	idem_check_key(scope, "scope", true);
-	return scope;
-}
-
 /* Name the item being worked on in an error's context. */
 static void
 batch_error_context(void *arg)
@@ -286,73 +276,18 @@ begin_many_check(TupleDesc desc)
 
 /* Put one item's row, in the executor's shape (dropped attributes NULL). */
 static void
-begin_many_put(ReturnSetInfo *rsinfo, int ordinality, BatchItem *item,
-			   Datum *values, bool *nulls)
+begin_many_put(ReturnSetInfo *rsinfo, int ordinality, BatchItem *item)
 {
-	TupleDesc	desc = rsinfo->setDesc;
-	ClaimResult *res = &item->res;
 	Datum		v[BEGIN_MANY_COLUMNS];
 	bool		n[BEGIN_MANY_COLUMNS];
-	int			column = 0;
 
-	memset(n, true, sizeof(n));
 	v[0] = Int32GetDatum(ordinality);
 	n[0] = false;
-	v[1] = BoolGetDatum(res->claimed);
-	n[1] = false;
-	v[2] = CStringGetTextDatum(idem_claim_state_names[res->state]);
-	n[2] = false;
-	if (res->has_token)
-	{
-		v[3] = Int64GetDatum(res->token);
-		n[3] = false;
-	}
-	if (res->has_response)
-	{
-		v[4] = Int32GetDatum(res->status);
-		n[4] = false;
-		if (res->body != NULL)
-		{
-			v[5] = PointerGetDatum(res->body);
-			n[5] = false;
-		}
-	}
-	if (res->has_lease)
-	{
-		v[6] = TimestampTzGetDatum(res->lease_until);
-		n[6] = false;
-	}
-	if (res->has_expiry)
-	{
-		v[7] = TimestampTzGetDatum(res->expires_at);
-		n[7] = false;
-	}
-	if (res->phase != NULL)
-	{
-		v[8] = PointerGetDatum(res->phase);
-		n[8] = false;
-	}
-	if (res->phase_data != NULL)
-	{
-		v[9] = PointerGetDatum(res->phase_data);
-		n[9] = false;
-	}
-	if (item->duplicate_of > 0)
-	{
-		v[10] = Int32GetDatum(item->duplicate_of);
-		n[10] = false;
-	}
-	for (int i = 0; i < desc->natts; i++)
-	{
-		values[i] = (Datum) 0;
-		nulls[i] = true;
-		if (TupleDescAttr(desc, i)->attisdropped)
-			continue;
-		values[i] = v[column];
-		nulls[i] = n[column];
-		column++;
-	}
-	tuplestore_putvalues(rsinfo->setResult, desc, values, nulls);
+	idem_claim_result_values(&item->res, v + 1, n + 1);
+	v[10] = Int32GetDatum(item->duplicate_of);
+	n[10] = item->duplicate_of <= 0;
+	idem_result_row_put(rsinfo->setResult, rsinfo->setDesc, v, n,
+						BEGIN_MANY_COLUMNS);
 	pfree(DatumGetPointer(v[2]));
 }
 
@@ -378,14 +313,12 @@ idem_begin_many(PG_FUNCTION_ARGS)
 	MemoryContext old;
 	BatchErrorItem current;
 	ErrorContextCallback errcallback;
-	Datum	   *values;
-	bool	   *nulls;
 
 	/* Every argument first: a bad batch claims nothing. */
 	batch_array(fcinfo, 0, "keys", TEXTOID, false, false, &keys);
 	batch_array(fcinfo, 1, "fingerprints", TEXTOID, false, false, &fingerprints);
 	batch_same_length(&keys, &fingerprints);
-	scope = batch_scope(fcinfo, 4);
+	scope = idem_scope_arg(fcinfo, 4);
 	idem_claim_args(fcinfo, "idem_begin_many()", &args);
 	n = keys.nitems;
 	items = palloc0(sizeof(BatchItem) * Max(n, 1));
@@ -442,10 +375,8 @@ idem_begin_many(PG_FUNCTION_ARGS)
 	error_context_stack = errcallback.previous;
 	MemoryContextDelete(item_cxt);
 
-	values = palloc(sizeof(Datum) * rsinfo->setDesc->natts);
-	nulls = palloc(sizeof(bool) * rsinfo->setDesc->natts);
 	for (int i = 0; i < n; i++)
-		begin_many_put(rsinfo, i + 1, &items[i], values, nulls);
+		begin_many_put(rsinfo, i + 1, &items[i]);
 	return (Datum) 0;
 }
 
@@ -487,7 +418,7 @@ idem_complete_many(PG_FUNCTION_ARGS)
 	batch_same_length(&keys, &statuses);
 	batch_same_length(&keys, &bodies);
 	batch_same_length(&keys, &tokens);
-	scope = batch_scope(fcinfo, 6);
+	scope = idem_scope_arg(fcinfo, 6);
 	if (!PG_ARGISNULL(5))
 	{
 		has_expiry = true;

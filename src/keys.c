@@ -604,8 +604,8 @@ claim_key(KeyTable *kt, ClaimArgs *args, ClaimResult *res)
 }
 
 /* scope argument: not NULL, may be empty. */
-static text *
-scope_arg(FunctionCallInfo fcinfo, int argno)
+text *
+idem_scope_arg(FunctionCallInfo fcinfo, int argno)
 {
 	text	   *scope = idem_arg_text(fcinfo, argno, "scope");
 
@@ -635,7 +635,6 @@ interval_arg(FunctionCallInfo fcinfo, int argno)
  * the first seven as OUT parameters, 1.4 all nine, and 1.5 all nine as the
  * row type idem.begin_result.
  */
-#define BEGIN_RESULT_COLUMNS 9
 #define BEGIN_RESULT_COLUMNS_BEFORE_14 7
 static const Oid begin_result_types[BEGIN_RESULT_COLUMNS] = {
 	BOOLOID, TEXTOID, INT8OID, INT4OID, BYTEAOID,
@@ -648,7 +647,7 @@ static const Oid begin_result_types[BEGIN_RESULT_COLUMNS] = {
  * type of 1.5 is an ordinary composite type, which its owner can ALTER.
  * An attribute dropped from it reads NULL; any other difference is an
  * error.  So a row with more attributes than idem's columns has dropped
- * ones (begin_result_put).
+ * ones (idem_result_row_put).
  */
 static void
 begin_result_check(TupleDesc desc)
@@ -712,17 +711,19 @@ begin_result_store(FunctionCallInfo fcinfo)
 }
 
 /*
- * Put the row into the store in the executor's shape: the columns in
- * order, NULL for attributes dropped from idem.begin_result (checked by
- * begin_result_check).
+ * Put a row of ncolumns columns into the store in the executor's shape:
+ * the columns in order, NULL for attributes dropped from the row type
+ * (checked beforehand, so that a row with more attributes than columns
+ * has dropped ones).
  */
-static void
-begin_result_put(Tuplestorestate *store, TupleDesc desc, Datum *values, bool *nulls)
+void
+idem_result_row_put(Tuplestorestate *store, TupleDesc desc, Datum *values,
+					bool *nulls, int ncolumns)
 {
 	Datum	   *row_values = values;
 	bool	   *row_nulls = nulls;
 
-	if (desc->natts > BEGIN_RESULT_COLUMNS)
+	if (desc->natts > ncolumns)
 	{
 		int			column = 0;
 
@@ -740,6 +741,57 @@ begin_result_put(Tuplestorestate *store, TupleDesc desc, Datum *values, bool *nu
 		}
 	}
 	tuplestore_putvalues(store, desc, row_values, row_nulls);
+}
+
+/*
+ * The columns of idem.begin_result for res, claimed to phase_data, into
+ * values and nulls (BEGIN_RESULT_COLUMNS of each): idem_begin's row, and
+ * the middle of each row of idem_begin_many.  phase and phase_data are
+ * the columns 1.4 adds, put only where declared (idem_result_row_put).
+ */
+void
+idem_claim_result_values(const ClaimResult *res, Datum *values, bool *nulls)
+{
+	memset(nulls, true, BEGIN_RESULT_COLUMNS * sizeof(bool));
+	values[0] = BoolGetDatum(res->claimed);
+	nulls[0] = false;
+	values[1] = CStringGetTextDatum(idem_claim_state_names[res->state]);
+	nulls[1] = false;
+	if (res->has_token)
+	{
+		values[2] = Int64GetDatum(res->token);
+		nulls[2] = false;
+	}
+	if (res->has_response)
+	{
+		values[3] = Int32GetDatum(res->status);
+		nulls[3] = false;
+		if (res->body != NULL)
+		{
+			values[4] = PointerGetDatum(res->body);
+			nulls[4] = false;
+		}
+	}
+	if (res->has_lease)
+	{
+		values[5] = TimestampTzGetDatum(res->lease_until);
+		nulls[5] = false;
+	}
+	if (res->has_expiry)
+	{
+		values[6] = TimestampTzGetDatum(res->expires_at);
+		nulls[6] = false;
+	}
+	if (res->phase != NULL)
+	{
+		values[7] = PointerGetDatum(res->phase);
+		nulls[7] = false;
+	}
+	if (res->phase_data != NULL)
+	{
+		values[8] = PointerGetDatum(res->phase_data);
+		nulls[8] = false;
+	}
 }
 
 /*
@@ -869,7 +921,7 @@ idem_begin(PG_FUNCTION_ARGS)
 {
 	ReturnSetInfo *rsinfo = (ReturnSetInfo *) fcinfo->resultinfo;
 	text	   *key = key_arg(fcinfo, 0);
-	text	   *scope = scope_arg(fcinfo, 4);
+	text	   *scope = idem_scope_arg(fcinfo, 4);
 	ClaimArgs	args;
 	ClaimResult res;
 	Tuplestorestate *store;
@@ -884,48 +936,9 @@ idem_begin(PG_FUNCTION_ARGS)
 	store = begin_result_store(fcinfo);
 	idem_begin_key(&args, scope, key, &res);
 
-	memset(nulls, true, sizeof(nulls));
-	values[0] = BoolGetDatum(res.claimed);
-	nulls[0] = false;
-	values[1] = CStringGetTextDatum(idem_claim_state_names[res.state]);
-	nulls[1] = false;
-	if (res.has_token)
-	{
-		values[2] = Int64GetDatum(res.token);
-		nulls[2] = false;
-	}
-	if (res.has_response)
-	{
-		values[3] = Int32GetDatum(res.status);
-		nulls[3] = false;
-		if (res.body != NULL)
-		{
-			values[4] = PointerGetDatum(res.body);
-			nulls[4] = false;
-		}
-	}
-	if (res.has_lease)
-	{
-		values[5] = TimestampTzGetDatum(res.lease_until);
-		nulls[5] = false;
-	}
-	if (res.has_expiry)
-	{
-		values[6] = TimestampTzGetDatum(res.expires_at);
-		nulls[6] = false;
-	}
-	/* phase and phase_data, the columns 1.4 adds; put only where declared */
-	if (res.phase != NULL)
-	{
-		values[7] = PointerGetDatum(res.phase);
-		nulls[7] = false;
-	}
-	if (res.phase_data != NULL)
-	{
-		values[8] = PointerGetDatum(res.phase_data);
-		nulls[8] = false;
-	}
-	begin_result_put(store, rsinfo->expectedDesc, values, nulls);
+	idem_claim_result_values(&res, values, nulls);
+	idem_result_row_put(store, rsinfo->expectedDesc, values, nulls,
+						BEGIN_RESULT_COLUMNS);
 	return (Datum) 0;
 }
 
@@ -1273,7 +1286,7 @@ held_call_init(HeldCall *hc, HeldOp op, const char *what,
 	hc->op = op;
 	hc->what = what;
 	hc->key = key_arg(fcinfo, 0);
-	hc->scope = scope_arg(fcinfo, scopearg);
+	hc->scope = idem_scope_arg(fcinfo, scopearg);
 	hc->has_token = !PG_ARGISNULL(tokenarg);
 	if (hc->has_token)
 		hc->token = PG_GETARG_INT64(tokenarg);
@@ -1410,7 +1423,7 @@ Datum
 idem_complete(PG_FUNCTION_ARGS)
 {
 	text	   *key = key_arg(fcinfo, 0);
-	text	   *scope = scope_arg(fcinfo, 6);
+	text	   *scope = idem_scope_arg(fcinfo, 6);
 	bool		has_token = !PG_ARGISNULL(4);
 	int64		token = has_token ? PG_GETARG_INT64(4) : 0;
 	bytea	   *fingerprint;

@@ -12,6 +12,7 @@
 #include "fmgr.h"
 #include "datatype/timestamp.h"
 #include "portability/instr_time.h"
+#include "utils/tuplestore.h"
 
 typedef enum ClaimState
 {
@@ -23,6 +24,9 @@ typedef enum ClaimState
 } ClaimState;
 
 extern const char *const idem_claim_state_names[];
+
+/* The columns of idem.begin_result: claimed to phase_data. */
+#define BEGIN_RESULT_COLUMNS 9
 
 /* The row idem_begin returns for a key; NULL fields are flagged false. */
 typedef struct ClaimResult
@@ -64,6 +68,7 @@ typedef struct ClaimArgs
 	instr_time	wait_time;		/* for how long in all */
 } ClaimArgs;
 
+extern text *idem_scope_arg(FunctionCallInfo fcinfo, int argno);
 extern bytea *idem_fingerprint_digest(text *fingerprint);
 extern bool idem_same_digest(bytea *a, bytea *b);
 extern void idem_claim_args(FunctionCallInfo fcinfo, const char *what,
@@ -74,5 +79,9 @@ extern TimestampTz idem_complete_key(text *key, text *scope,
 									 bytea *fingerprint, int32 status,
 									 bytea *body, bool has_token, int64 token,
 									 bool has_expiry, TimestampTz expires_at);
+extern void idem_claim_result_values(const ClaimResult *res, Datum *values,
+									 bool *nulls);
+extern void idem_result_row_put(Tuplestorestate *store, TupleDesc desc,
+								Datum *values, bool *nulls, int ncolumns);
 
 #endif							/* IDEM_KEYS_H */
