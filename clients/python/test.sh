@@ -34,7 +34,7 @@ dir=$(mktemp -d /tmp/idem-python.XXXXXX) || { echo "0 passed, 1 failed"; exit 1;
 pkgs="python3 python3-psycopg python3-psycopg-pool python3-asyncpg python3-pytest \
 	python3-starlette python3-fastapi python3-httpx python3-uvicorn \
 	python3-flask python3-werkzeug python3-setuptools python3-wheel postgresql-client-15 \
-	gunicorn pgbouncer rabbitmq-server redis-server python3-pika python3-redis"
+	gunicorn pgbouncer rabbitmq-server redis-server python3-pika python3-redis python3-venv"
 missing=""
 for p in $pkgs; do
 	dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" ||
